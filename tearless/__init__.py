@@ -1,0 +1,1 @@
+"""tearless: RL post-training that runs on a laptop CPU and scales out."""

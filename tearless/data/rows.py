@@ -1,0 +1,231 @@
+"""Reading and writing prompt rows in veRL's dataset schema (parquet or JSON lines).
+
+A row is a dict with:
+
+- ``data_source`` (str): selects the reward function, e.g. ``"openai/gsm8k"``;
+- ``prompt``: a list of chat messages ``{"role": str, "content": str}``. A plain string is accepted
+  and becomes one user message, so hand-written JSONL files can say ``"prompt": "1+2="``;
+- ``reward_model``: a dict with ``ground_truth`` (any JSON value) and usually ``style`` (``"rule"``);
+- ``ability`` (str, optional) and ``extra_info`` (dict, optional).
+
+Other columns are kept as they are. Rows are numbered from 0 in error messages, the same number the
+dataset reports as ``index``; for JSON lines the line number (from 1) is given as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model.ground_truth")
+PARQUET_SUFFIXES = (".parquet",)
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+class DataError(ValueError):
+    """A dataset file or row that cannot be used, with a message saying where and how to fix it."""
+
+
+def load_rows(path: str | os.PathLike) -> list[dict]:
+    """Read every row of one ``.parquet``, ``.jsonl`` or ``.json`` file and check its schema.
+
+    JSON files hold one object per line (blank lines are skipped); a ``.json`` file whose content is a
+    single JSON array of objects is read as well. Each row is checked with :func:`normalize_row`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        hint = " (it is a directory: give the file inside it)" if path.is_dir() else ""
+        raise DataError(
+            f"data file {str(path)!r} does not exist{hint}; check data.train_files / data.val_files"
+        )
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        raw, lines = _read_parquet(path), None
+    elif suffix in JSON_SUFFIXES:
+        raw, lines = _read_json(path)
+    else:
+        raise DataError(
+            f"{path}: unknown file type {suffix!r}; use one of {', '.join(PARQUET_SUFFIXES + JSON_SUFFIXES)}"
+        )
+    if not raw:
+        raise DataError(f"{path} has no rows")
+    rows = []
+    for i, row in enumerate(raw):
+        where = f"{path}: row {i}" + (f" (line {lines[i]})" if lines else "")
+        rows.append(normalize_row(row, where=where))
+    return rows
+
+
+def load_many(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[dict]:
+    """Concatenate the rows of one path or a list of paths, in order (veRL's ``data.train_files``)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = list(paths)
+    if not paths:
+        raise DataError("no data files given; set data.train_files to a path or a list of paths")
+    rows: list[dict] = []
+    for path in paths:
+        rows.extend(load_rows(path))
+    return rows
+
+
+def normalize_row(row: Any, *, where: str) -> dict:
+    """Check one row against the schema and return it with ``prompt`` as a list of messages.
+
+    ``where`` names the row in error messages (file and row number). A string prompt becomes
+    ``[{"role": "user", "content": prompt}]``. Message keys whose value is ``None`` are dropped:
+    parquet stores messages as structs, so a key that only some messages have (``tool_calls``) comes
+    back as ``None`` in the others, and chat templates test for a key's presence.
+    """
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected an object with columns, got {type(row).__name__}")
+    missing = [col for col in REQUIRED_COLUMNS if _lookup(row, col) is None]
+    if missing:
+        nested = row.get("reward_model")
+        if missing[0].startswith("reward_model.") and isinstance(nested, dict):
+            present = f"reward_model has keys {sorted(nested)}"
+        else:
+            present = f"the row has columns {sorted(row)}"
+        raise DataError(
+            f"{where}: missing column {missing[0]!r}; {present}. Every row needs "
+            f"{', '.join(REQUIRED_COLUMNS)} (veRL's dataset schema)"
+        )
+    if not isinstance(row["data_source"], str) or not row["data_source"]:
+        raise DataError(f"{where}: data_source must be a non-empty string, got {row['data_source']!r}")
+    for key in ("ability", "extra_info"):
+        kind = str if key == "ability" else dict
+        if row.get(key) is not None and not isinstance(row[key], kind):
+            raise DataError(f"{where}: {key} must be a {kind.__name__}, got {type(row[key]).__name__}")
+    return {**row, "prompt": _normalize_prompt(row["prompt"], where)}
+
+
+def write_parquet(rows: Sequence[dict], path: str | os.PathLike) -> None:
+    """Write rows to a parquet file atomically (a temporary file in the same folder, then a rename).
+
+    Column types are inferred from all rows, so a column must hold values of one type (for example
+    every ``ground_truth`` a string, not some strings and some numbers). Dicts are stored as structs
+    with the union of their keys, so a key that only some rows' ``extra_info`` has reads back as
+    ``None`` in the others.
+    """
+    path = Path(path)
+    _check_writable(rows, path)
+    columns: dict[str, list] = {}
+    for row in rows:
+        for key in row:
+            columns.setdefault(key, [])
+    for key, values in columns.items():
+        values.extend(row.get(key) for row in rows)
+    try:
+        table = pa.Table.from_pydict(columns)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise DataError(
+            f"cannot write {path}: a column mixes value types ({exc}); give each column one type"
+        ) from exc
+    _atomic_write(path, lambda tmp: pq.write_table(table, tmp))
+
+
+def write_jsonl(rows: Sequence[dict], path: str | os.PathLike) -> None:
+    """Write rows as JSON lines (UTF-8, one object per line) atomically."""
+    path = Path(path)
+    _check_writable(rows, path)
+    lines = []
+    for i, row in enumerate(rows):
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False))
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"cannot write {path}: row {i} is not JSON-serialisable: {exc}") from exc
+
+    def write(tmp: Path) -> None:
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+    _atomic_write(path, write)
+
+
+def _lookup(row: dict, dotted: str) -> Any:
+    value: Any = row
+    for key in dotted.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _normalize_prompt(prompt: Any, where: str) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    example = '[{"role": "user", "content": "..."}]'
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(
+            f"{where}: prompt must be a non-empty list of chat messages like {example} (or a string), "
+            f"got {prompt!r:.80}"
+        )
+    messages = []
+    for j, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise DataError(f"{where}: prompt[{j}] must be a message like {example}, got {message!r:.80}")
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise DataError(
+                    f"{where}: prompt[{j}] needs a string {key!r}; the message has keys {sorted(message)}"
+                )
+        messages.append(message)
+    return messages
+
+
+def _read_parquet(path: Path) -> list[dict]:
+    if path.stat().st_size == 0:
+        return []
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
+
+
+def _read_json(path: Path) -> tuple[list[Any], list[int]]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from exc
+        return rows, []
+    rows, lines = [], []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"{path}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                "the file must hold one JSON object per line"
+            ) from exc
+        lines.append(number)
+    return rows, lines
+
+
+def _check_writable(rows: Sequence[dict], path: Path) -> None:
+    if not rows:
+        raise DataError(f"refusing to write {path} with no rows: it could not be loaded again")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataError(f"cannot write {path}: row {i} is a {type(row).__name__}, not a dict")
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    # A crash mid-write leaves the old file (or none), never a truncated one that a reader would
+    # take for a short dataset.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,59 @@
+"""Load Hugging Face causal LMs and tokenizers from local directories (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def _check_dir(path: str | os.PathLike, key: str) -> Path:
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(
+            f"{key}={path!s}: no Hugging Face model directory there (expected config.json or "
+            "tokenizer_config.json). Point it at a directory written by save_pretrained; tearless never "
+            "downloads from a hub."
+        )
+    return p
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """Map a config string (``float32``/``bf16``/…) to a torch dtype, with a clear error."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+def load_tokenizer(path: str | os.PathLike, key: str = "actor_rollout_ref.model.path"):
+    """Load a tokenizer with left padding (generation needs it) and a pad token.
+
+    A tokenizer without a pad token gets its EOS as pad: tearless never infers masks from the pad id
+    (masks travel with the batch), so sharing the id is safe here.
+    """
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(_check_dir(path, key)))
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ValueError(f"{key}={path!s}: the tokenizer has no EOS token; set eos_token in tokenizer_config.json")
+    return tok
+
+
+def load_causal_lm(path: str | os.PathLike, *, dtype: str = "float32", gradient_checkpointing: bool = False,
+                   key: str = "actor_rollout_ref.model.path") -> torch.nn.Module:
+    """Load ``AutoModelForCausalLM`` from a local directory in the given dtype."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(_check_dir(path, key)), dtype=resolve_dtype(dtype))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model

@@ -1,0 +1,271 @@
+"""A pool of forked worker processes that run a reward function with a per-sample deadline.
+
+Workers are forked, so they inherit the reward function as an object: lambdas, closures and
+functions defined in a notebook work, and nothing is pickled but the samples and the results. Each
+worker gets its samples in chunks (one message per chunk) and sends back one small message per
+sample as soon as it is scored. The parent therefore knows which sample each worker is on and since
+when, and kills (SIGKILL) a worker whose current sample runs past the deadline, or notices one that
+died, and forks a replacement, so the pool keeps its size.
+
+Outcomes are ``("ok", score, extras)`` or ``("err", message)``.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import numbers
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+# (data_source, solution_str, ground_truth, extra_info)
+Request = tuple[str, str, Any, Any]
+Outcome = tuple
+
+# Several chunks per worker balance the load when some samples are slow; a cap keeps a chunk that
+# is stuck behind a timed-out sample small.
+_CHUNKS_PER_WORKER = 4
+_MAX_CHUNK = 64
+# How long a worker waits for work before checking that its parent is still alive.
+_PARENT_CHECK_S = 1.0
+# SIGKILL'd processes exit at once; this only bounds the wait for one stuck in the kernel.
+_REAP_TIMEOUT_S = 5.0
+
+
+def evaluate(
+    score_fn: Callable[..., Any],
+    kwargs: dict,
+    request: Request,
+    catch: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+) -> Outcome:
+    """Call the reward function on one sample and check what it returned."""
+    data_source, solution_str, ground_truth, extra_info = request
+    try:
+        value = score_fn(
+            data_source=data_source,
+            solution_str=solution_str,
+            ground_truth=ground_truth,
+            extra_info=extra_info,
+            **kwargs,
+        )
+    except catch as exc:
+        return ("err", f"raised: {type(exc).__name__}: {exc}")
+    return check_value(value)
+
+
+def check_value(value: Any) -> Outcome:
+    """Turn a reward function's return value into an outcome: a finite float score plus numeric extras.
+
+    A dict's other numeric (and bool) values are kept as extras; non-numeric ones (a predicted string,
+    say) are dropped, since extras are logged as numbers.
+    """
+    if isinstance(value, dict):
+        if "score" not in value:
+            return ("err", f"returned a dict without a 'score' key (keys: {sorted(map(str, value))})")
+        score = value["score"]
+        extras = {str(k): float(v) for k, v in value.items() if k != "score" and isinstance(v, numbers.Real)}
+    else:
+        score, extras = value, {}
+    if not isinstance(score, numbers.Real):
+        return (
+            "err",
+            f"returned a score of type {type(score).__name__} ({score!r:.60}); a reward function must "
+            "return a float or a dict with a numeric 'score'",
+        )
+    score = float(score)
+    if not math.isfinite(score):
+        return ("err", f"returned a non-finite score ({score})")
+    return ("ok", score, extras)
+
+
+def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, to_close: list) -> None:
+    # The fork copied the parent's ends of every pipe; holding them would keep other workers (and
+    # this one) from seeing end-of-file when the parent goes away.
+    for other in to_close:
+        other.close()
+    # Ctrl-C reaches the whole process group; the parent decides what happens to workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Several workers each running torch's full intra-op thread pool would oversubscribe the cores,
+    # and an OpenMP pool used before the fork can deadlock in the child.
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
+    parent = os.getppid()
+    while True:
+        if not conn.poll(_PARENT_CHECK_S):
+            if os.getppid() != parent:
+                return
+            continue
+        try:
+            chunk = conn.recv()
+        except EOFError:
+            return
+        if chunk is None:
+            return
+        for index, request in chunk:
+            # BaseException too: a scorer calling sys.exit() is a failed sample, not a dead worker.
+            conn.send((index, evaluate(score_fn, kwargs, request, BaseException)))
+
+
+class _Worker:
+    def __init__(self, process: Any, conn: Connection) -> None:
+        self.process = process
+        self.conn = conn
+        self.queue: deque[int] = deque()  # sample indices sent and not yet answered, in order
+        self.started = 0.0  # when the sample at the head of the queue started (monotonic)
+        self.lost = False  # its pipe broke: it is dead or dying
+
+    def kill(self) -> None:
+        """SIGKILL the process (if it still runs), reap it and close the pipe; safe to call twice."""
+        if self.process.exitcode is None:
+            self.process.kill()
+        self.process.join(_REAP_TIMEOUT_S)
+        self.conn.close()
+
+
+class WorkerPool:
+    """``num_workers`` forked processes running ``score_fn(**request, **kwargs)`` with a deadline.
+
+    Not thread-safe: one :meth:`run` at a time.
+    """
+
+    def __init__(
+        self, score_fn: Callable[..., Any], kwargs: dict, num_workers: int, timeout_s: float
+    ) -> None:
+        self._ctx = multiprocessing.get_context("fork")
+        self._score_fn = score_fn
+        self._kwargs = kwargs
+        self._timeout_s = timeout_s
+        self._num_workers = num_workers
+        self._workers: list[_Worker] = []
+        self._fill()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return [w.process.pid for w in self._workers if w.process.exitcode is None]
+
+    def run(self, requests: Sequence[Request]) -> list[Outcome]:
+        """Score every request; outcomes are in the order of ``requests``.
+
+        A sample whose worker dies is scored once more by a fresh worker; if that one dies too, the
+        sample fails. Every wait is bounded by the earliest deadline of a running sample.
+        """
+        self._fill()
+        outcomes: list[Outcome | None] = [None] * len(requests)
+        pending = deque(range(len(requests)))
+        deaths = [0] * len(requests)
+        chunk = max(1, min(_MAX_CHUNK, math.ceil(len(requests) / (self._num_workers * _CHUNKS_PER_WORKER))))
+        try:
+            while pending or any(w.queue for w in self._workers):
+                for w in self._workers:
+                    if not w.queue and pending:
+                        self._send(w, [pending.popleft() for _ in range(min(chunk, len(pending)))], requests)
+                busy = [w for w in self._workers if w.queue]
+                timeout = min(w.started for w in busy) + self._timeout_s - time.monotonic()
+                ready = set(
+                    wait([w.conn for w in busy] + [w.process.sentinel for w in busy], max(timeout, 0.0))
+                )
+                for w in busy:
+                    self._collect(w, outcomes)
+                now = time.monotonic()
+                for w in busy:
+                    if w.lost or w.process.sentinel in ready:
+                        self._on_death(w, outcomes, pending, deaths)
+                    elif w.queue and now >= w.started + self._timeout_s:
+                        w.kill()
+                        outcomes[w.queue.popleft()] = ("err", f"timeout after {self._timeout_s:g}s")
+                        self._replace(w, pending)
+        except BaseException:
+            # Interrupted (Ctrl-C, or an item that cannot be pickled): busy workers would send stale
+            # results into the next call, so they go, and the next call forks fresh ones.
+            for w in [w for w in self._workers if w.queue]:
+                w.kill()
+                self._workers.remove(w)
+            raise
+        return outcomes  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Stop every worker: ask politely, then SIGKILL whatever is still running after a second."""
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 1.0
+        for w in self._workers:
+            w.process.join(max(deadline - time.monotonic(), 0.0))
+            w.kill()
+        self._workers = []
+
+    def _fill(self) -> None:
+        # Workers that died between calls (killed from outside) are replaced before any work is sent.
+        for w in [w for w in self._workers if w.process.exitcode is not None]:
+            w.kill()
+            self._workers.remove(w)
+        while len(self._workers) < self._num_workers:
+            self._workers.append(self._spawn())
+
+    def _spawn(self) -> _Worker:
+        parent_end, child_end = self._ctx.Pipe(duplex=True)
+        to_close = [w.conn for w in self._workers] + [parent_end]
+        process = self._ctx.Process(
+            target=_worker_main,
+            args=(child_end, self._score_fn, self._kwargs, to_close),
+            name="tearless-reward-worker",
+            daemon=True,
+        )
+        process.start()
+        child_end.close()
+        return _Worker(process, parent_end)
+
+    def _send(self, w: _Worker, indices: list[int], requests: Sequence[Request]) -> None:
+        try:
+            w.conn.send([(i, requests[i]) for i in indices])
+        except OSError:
+            # It died while idle; the death check requeues the chunk.
+            w.lost = True
+        except Exception as exc:
+            # Pickling failed before anything was written; say which items and what to do.
+            raise ValueError(
+                f"reward items {indices[0]}..{indices[-1]} cannot be sent to a worker process ({exc}); "
+                "ground_truth and extra_info must be picklable, or use num_workers=0"
+            ) from exc
+        w.queue.extend(indices)
+        w.started = time.monotonic()
+
+    def _collect(self, w: _Worker, outcomes: list) -> None:
+        try:
+            while w.queue and w.conn.poll():
+                index, outcome = w.conn.recv()
+                # A worker answers its chunk in order, so the answer is for the head of its queue.
+                w.queue.popleft()
+                outcomes[index] = outcome
+                w.started = time.monotonic()
+        except (EOFError, OSError):
+            w.lost = True
+
+    def _on_death(self, w: _Worker, outcomes: list, pending: deque, deaths: list[int]) -> None:
+        w.kill()
+        if w.queue:
+            index = w.queue.popleft()
+            deaths[index] += 1
+            if deaths[index] >= 2:
+                outcomes[index] = (
+                    "err",
+                    f"worker process died while scoring this sample, twice (exit code {w.process.exitcode})",
+                )
+            else:
+                w.queue.appendleft(index)
+        self._replace(w, pending)
+
+    def _replace(self, w: _Worker, pending: deque) -> None:
+        # Samples the dead worker had not reached go back to the front of the line, in their order.
+        pending.extendleft(reversed(w.queue))
+        w.queue.clear()
+        self._workers[self._workers.index(w)] = self._spawn()
