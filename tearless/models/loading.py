@@ -7,8 +7,14 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def _check_dir(path: str | os.PathLike, key: str) -> Path:
@@ -43,12 +49,19 @@ def load_tokenizer(path: str | os.PathLike, key: str = "actor_rollout_ref.model.
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if tok.eos_token_id is None:
-        raise ValueError(f"{key}={path!s}: the tokenizer has no EOS token; set eos_token in tokenizer_config.json")
+        raise ValueError(
+            f"{key}={path!s}: the tokenizer has no EOS token; set eos_token in tokenizer_config.json"
+        )
     return tok
 
 
-def load_causal_lm(path: str | os.PathLike, *, dtype: str = "float32", gradient_checkpointing: bool = False,
-                   key: str = "actor_rollout_ref.model.path") -> torch.nn.Module:
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    key: str = "actor_rollout_ref.model.path",
+) -> torch.nn.Module:
     """Load ``AutoModelForCausalLM`` from a local directory in the given dtype."""
     from transformers import AutoModelForCausalLM
 

@@ -39,8 +39,8 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):
         if s:
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s):] = 1
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s) :] = 1
     return ids, mask
 
 
@@ -101,8 +101,14 @@ class HFRollout:
         batch = ids.shape[0]
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         next_pos = positions[:, -1:] + 1
         tokens, logps, masks = [], [], []
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -124,8 +130,13 @@ class HFRollout:
             if bool(finished.all()):
                 break
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
-            out = self.model(input_ids=tokens[-1][:, None], attention_mask=attn, position_ids=next_pos,
-                             past_key_values=cache, use_cache=True)
+            out = self.model(
+                input_ids=tokens[-1][:, None],
+                attention_mask=attn,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
             next_pos = next_pos + 1
         self.model.train(was_training)
         response_mask = torch.stack(masks, 1).cpu()

@@ -43,8 +43,9 @@ def to_row(a: int, b: int, split: str, index: int) -> dict:
     }
 
 
-def generate_rows(num: int, *, seed: int, split: str, max_operand: int = 99,
-                  exclude: set[tuple[int, int]] | None = None) -> list[dict]:
+def generate_rows(
+    num: int, *, seed: int, split: str, max_operand: int = 99, exclude: set[tuple[int, int]] | None = None
+) -> list[dict]:
     """``num`` distinct problems, none of them in ``exclude`` (used to keep test apart from train)."""
     import random
 

@@ -1,0 +1,126 @@
+"""Building a config: defaults, a YAML file, a dict and dotted overrides, then validation.
+
+Everything here runs before any model is loaded, so a typo or an impossible batch size costs the
+user a second, not a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from tearless.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key and the fix in the message."""
+
+
+def _all_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            yield from _all_keys(sub, key + ".")
+        else:
+            yield key, f
+
+
+def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    if "not in" in msg or ("Key '" in msg and "not" in msg):
+        known = [k for k, _ in _all_keys()]
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+        hint = f" Did you mean {' or '.join(close)}?" if close else ""
+        section = key.rsplit(".", 1)[0] if "." in key else ""
+        siblings = (
+            sorted({k.split(".")[-1] for k in known if k.rsplit(".", 1)[0] == section}) if section else []
+        )
+        more = f" Keys under {section}: {', '.join(siblings)}." if siblings and not close else ""
+        return ConfigError(
+            f"unknown config key {key!r} (from {source}).{hint}{more} `tearless config show` lists every key."
+        )
+    return ConfigError(f"config key {key!r} (from {source}): {msg}")
+
+
+def _dotlist(overrides: Iterable[str]) -> list[str]:
+    items = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. data.train_batch_size=16)")
+        items.append(item[1:] if item.startswith("+") else item)
+    return items
+
+
+def load_config(config: Any = None, overrides: Iterable[str] = (), *, validate_config: bool = True) -> Config:
+    """Merge the defaults with ``config`` (a :class:`Config`, a dict, or a YAML path) and ``overrides``.
+
+    ``overrides`` are dotted ``key=value`` strings, veRL style. Unknown keys, wrong types and
+    impossible combinations raise :class:`ConfigError` naming the key and the fix.
+    """
+    merged = OmegaConf.structured(Config)
+    layers: list[tuple[Any, str]] = []
+    if isinstance(config, Config):
+        layers.append((OmegaConf.structured(config), "the Config object"))
+    elif isinstance(config, Mapping):
+        layers.append((OmegaConf.create(dict(config)), "the config dict"))
+    elif isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            layers.append((OmegaConf.load(path), str(path)))
+        except Exception as e:  # a YAML syntax error names the line itself
+            raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    elif config is not None:
+        raise ConfigError(f"config must be a Config, a dict or a YAML path, not {type(config).__name__}")
+    dotlist = _dotlist(overrides)
+    for item in dotlist:
+        try:
+            layers.append((OmegaConf.from_dotlist([item]), f"override {item!r}"))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {item!r} cannot be parsed: {e}") from e
+    for layer, source in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _explain(e, source) from e
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "the merged config") from e
+    assert isinstance(cfg, Config)
+    if validate_config:
+        from tearless.config.validate import validate
+
+        validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """The config as plain nested dicts (for YAML dumps and loggers)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def describe(cfg: Config | None = None) -> str:
+    """Every key with its current value and its documentation line, one per line."""
+    cfg = cfg or Config()
+    lines = []
+    for key, f in _all_keys():
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        lines.append(f"{key} = {value!r}\n    {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,225 @@
+"""The configuration schema of the RL trainer: one dataclass per section, veRL's key names.
+
+Every field documents its meaning, default and valid values; ``tearless config show`` prints them.
+A dotted key on the command line (``actor_rollout_ref.actor.optim.lr=1e-5``) is the path of a field
+here, exactly as in veRL, so a veRL GRPO example's overrides run unchanged where the feature exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def doc(default: Any, help: str) -> Any:
+    """A dataclass field with a default (lists and dicts copied) and its one-line documentation."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = doc(
+        None,
+        "parquet/JSONL file(s) of training prompts in veRL's schema; null = the "
+        "embedded task's generated data",
+    )
+    val_files: Any = doc(
+        None, "parquet/JSONL file(s) of held-out prompts; null = the embedded task's test split"
+    )
+    prompt_key: str = doc("prompt", "column holding the chat messages")
+    max_prompt_length: int = doc(64, "prompts longer than this (in tokens) are handled by data.truncation")
+    max_response_length: int = doc(16, "cap on generated tokens per response (veRL: rollout.response_length)")
+    train_batch_size: int = doc(16, "prompts per RL step (each sampled actor_rollout_ref.rollout.n times)")
+    val_batch_size: Any = doc(None, "prompts per validation generation call; null = all at once")
+    truncation: str = doc(
+        "error", "overlong prompts: error | left (keep the end) | right (keep the start) | middle"
+    )
+    filter_overlong_prompts: bool = doc(False, "drop prompts longer than max_prompt_length instead")
+    shuffle: bool = doc(True, "shuffle training prompts each epoch (seeded by data.seed)")
+    seed: Any = doc(None, "shuffle seed; null = trainer.seed")
+    val_max_samples: int = doc(-1, "use at most this many validation prompts (-1 = all)")
+
+
+@dataclass
+class ModelConfig:
+    path: Any = doc(
+        None, "local Hugging Face model directory; null = the embedded task's warmed-up tiny model"
+    )
+    tokenizer_path: Any = doc(None, "tokenizer directory; null = model.path")
+    enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
+    dtype: str = doc("float32", "parameter dtype: float32 | bfloat16 | float16 (fp32 on CPU)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = doc(1e-4, "AdamW learning rate (tuned for the embedded tiny model; veRL's default is 1e-6)")
+    weight_decay: float = doc(0.01, "AdamW weight decay")
+    betas: list = doc([0.9, 0.999], "AdamW betas")
+    lr_warmup_steps: int = doc(-1, "linear warm-up steps; -1 = use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = doc(0.0, "warm-up as a fraction of the total training steps")
+    lr_scheduler_type: str = doc("constant", "after warm-up: constant | cosine")
+    min_lr_ratio: float = doc(0.0, "cosine floor as a fraction of lr")
+    num_cycles: float = doc(0.5, "cosine cycles over the run (0.5 = one half-cosine decay)")
+
+
+@dataclass
+class PolicyLossConfig:
+    loss_mode: str = doc("vanilla", "vanilla (PPO clip + dual-clip) | gspo | cispo | clip_cov | kl_cov")
+
+
+@dataclass
+class ActorConfig:
+    ppo_mini_batch_size: int = doc(16, "prompts per optimizer step (× rollout.n responses)")
+    ppo_micro_batch_size_per_gpu: Any = doc(
+        None, "responses per forward/backward; null = the whole mini-batch"
+    )
+    use_dynamic_bsz: bool = doc(False, "pack micro-batches by token budget instead of by count")
+    ppo_max_token_len_per_gpu: int = doc(16384, "token budget of one micro-batch when use_dynamic_bsz")
+    ppo_epochs: int = doc(1, "passes over each step's rollouts")
+    shuffle: bool = doc(False, "shuffle responses between PPO epochs")
+    clip_ratio: float = doc(0.2, "PPO clip ε (used for low and high unless they are set)")
+    clip_ratio_low: Any = doc(None, "lower clip ε_low; null = clip_ratio")
+    clip_ratio_high: Any = doc(None, "upper clip ε_high (DAPO clip-higher); null = clip_ratio")
+    clip_ratio_c: float = doc(3.0, "dual-clip constant c (> 1) for negative advantages")
+    loss_agg_mode: str = doc(
+        "token-mean",
+        "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm",
+    )
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    entropy_coeff: float = doc(0.0, "entropy bonus coefficient (loss −= coeff · entropy)")
+    use_kl_loss: bool = doc(False, "add kl_loss_coef · KL(π‖π_ref) to the loss (GRPO style)")
+    kl_loss_coef: float = doc(0.001, "KL loss coefficient")
+    kl_loss_type: str = doc(
+        "low_var_kl", "KL estimator: kl/k1 | abs | mse/k2 | low_var_kl/k3 | their '+' forms"
+    )
+    grad_clip: float = doc(1.0, "max global gradient norm")
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class ValKwargs:
+    temperature: float = doc(1.0, "temperature of the sampled validation pass")
+    top_p: float = doc(1.0, "validation nucleus mass")
+    top_k: int = doc(-1, "validation top-k (-1 = off)")
+    n: int = doc(4, "validation samples per prompt (mean@n and pass@k for k = 1, 2, 4, … ≤ n)")
+    do_sample: bool = doc(True, "also run a sampled validation pass (greedy accuracy is always measured)")
+
+
+@dataclass
+class RolloutConfig:
+    name: str = doc("hf", "rollout engine: hf (built-in KV-cache sampler)")
+    n: int = doc(8, "responses sampled per prompt (the GRPO group size)")
+    temperature: float = doc(1.0, "sampling temperature (> 0)")
+    top_p: float = doc(1.0, "nucleus sampling mass")
+    top_k: int = doc(-1, "top-k sampling (-1 = off)")
+    response_length: Any = doc(None, "max new tokens; null = data.max_response_length")
+    log_prob_micro_batch_size_per_gpu: Any = doc(None, "rows per log-prob forward; null = all at once")
+    val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: Any = doc(None, "rows per reference forward; null = all at once")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = doc("fixed", "KL-in-reward controller: fixed | adaptive")
+    kl_coef: float = doc(0.001, "(initial) KL-in-reward coefficient β")
+    target_kl: float = doc(0.1, "adaptive controller target KL")
+    horizon: int = doc(10000, "adaptive controller horizon")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = doc(
+        "grpo",
+        "grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+        "opo | grpo_passk (gae needs a critic)",
+    )
+    gamma: float = doc(1.0, "discount γ")
+    lam: float = doc(1.0, "GAE λ")
+    norm_adv_by_std_in_grpo: bool = doc(True, "divide GRPO advantages by the group std (false = Dr. GRPO)")
+    use_kl_in_reward: bool = doc(False, "subtract β · KL(π_old‖π_ref) from the token rewards")
+    kl_penalty: str = doc("kl", "estimator for KL in reward: kl/k1 | abs | mse/k2 | low_var_kl/k3")
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = doc(False, "score with a reward model (not available in this version)")
+    num_workers: int = doc(2, "reward scoring processes (0 = score in the trainer process, no timeout)")
+    timeout_s: float = doc(30.0, "per-sample scoring timeout in seconds")
+    failure_score: float = doc(0.0, "score given to a sample whose scorer raised or timed out")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: Any = doc(
+        None,
+        "Python file defining compute_score(data_source, solution_str, ground_truth, "
+        "extra_info=None); null = built-in scorers by data_source",
+    )
+    name: str = doc("compute_score", "function name in that file")
+    reward_kwargs: dict = doc({}, "extra keyword arguments passed to every call")
+
+
+@dataclass
+class TrainerConfig:
+    total_epochs: int = doc(1, "passes over the training prompts")
+    total_training_steps: Any = doc(None, "stop after this many steps; null = epochs × batches per epoch")
+    project_name: str = doc("tearless", "project name (run directory and loggers)")
+    experiment_name: str = doc("default", "experiment name (run directory and loggers)")
+    logger: list = doc(["console", "jsonl"], "loggers: console | jsonl | tensorboard | wandb")
+    default_local_dir: str = doc(
+        "runs/${trainer.project_name}/${trainer.experiment_name}",
+        "run directory: metrics, rollout samples and global_step_N checkpoints",
+    )
+    save_freq: int = doc(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    test_freq: int = doc(-1, "validate every N steps (and at the end); -1 = only at the end")
+    val_before_train: bool = doc(True, "validate before the first step")
+    val_only: bool = doc(False, "validate and stop")
+    resume_mode: str = doc("auto", "auto (latest complete checkpoint) | disable | resume_path")
+    resume_from_path: Any = doc(None, "a global_step_N directory, with resume_mode=resume_path")
+    max_actor_ckpt_to_keep: Any = doc(None, "keep only the newest N checkpoints; null = all")
+    seed: int = doc(1, "seed of every random choice (sampling, shuffling, initialisation)")
+    device: str = doc("auto", "auto | cpu | cuda")
+    num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
+    log_freq: int = doc(10, "print a metrics table every N steps")
+    num_rollout_samples: int = doc(8, "rollout samples per step written to rollouts.jsonl")
+    nnodes: int = doc(1, "nodes (single-process placement: 1)")
+    n_gpus_per_node: int = doc(1, "devices per node (single-process placement: 1)")
+
+
+@dataclass
+class TaskConfig:
+    name: str = doc("arithmetic", "embedded task used when data/model paths are null: arithmetic")
+    cache_dir: Any = doc(
+        None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"
+    )
+    num_train: int = doc(2000, "generated training prompts")
+    num_val: int = doc(200, "generated held-out prompts")
+    warmup_steps: int = doc(300, "supervised warm-up steps of the tiny model")
+    forget_carry: float = doc(0.7, "how often the warm-up's flawed teacher drops a units carry")
+    fresh: bool = doc(False, "rebuild the cached data and model")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)

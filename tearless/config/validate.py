@@ -1,0 +1,166 @@
+"""Checks that run before anything heavy: batch-size arithmetic, names, ranges, combinations."""
+
+from __future__ import annotations
+
+from tearless.config.schema import Config
+
+ESTIMATORS_WITHOUT_CRITIC = (
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+    "opo",
+    "grpo_passk",
+)
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def _fail(key: str, problem: str, fix: str) -> None:
+    from tearless.config.load import ConfigError
+
+    raise ConfigError(f"{key}: {problem}. {fix}")
+
+
+def _one_of(key: str, value: object, valid: tuple | list) -> None:
+    if value not in valid:
+        _fail(key, f"{value!r} is not one of {', '.join(map(str, valid))}", "Pick one of those.")
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        _fail(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}", "Set a positive value.")
+
+
+def validate(cfg: Config) -> None:
+    """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
+    from tearless.algos import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+
+    data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    n = rollout.n
+    for key, value in [
+        ("data.train_batch_size", data.train_batch_size),
+        ("actor_rollout_ref.rollout.n", n),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+        ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
+        ("data.max_prompt_length", data.max_prompt_length),
+        ("data.max_response_length", data.max_response_length),
+        ("trainer.total_epochs", cfg.trainer.total_epochs),
+        ("actor_rollout_ref.actor.optim.lr", actor.optim.lr),
+        ("actor_rollout_ref.actor.grad_clip", actor.grad_clip),
+        ("reward_model.timeout_s", cfg.reward_model.timeout_s),
+    ]:
+        _positive(key, value)
+    _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
+    if data.train_batch_size < actor.ppo_mini_batch_size or data.train_batch_size % actor.ppo_mini_batch_size:
+        _fail(
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            f"data.train_batch_size × rollout.n = {data.train_batch_size * n} is not divisible by "
+            f"ppo_mini_batch_size × n = {actor.ppo_mini_batch_size * n}",
+            "Make data.train_batch_size a multiple of ppo_mini_batch_size (both count prompts).",
+        )
+    micro = actor.ppo_micro_batch_size_per_gpu
+    if micro is not None and not actor.use_dynamic_bsz:
+        _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
+        if (actor.ppo_mini_batch_size * n) % micro:
+            _fail(
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                f"ppo_mini_batch_size × n = {actor.ppo_mini_batch_size * n} responses is not divisible by "
+                f"the micro-batch size {micro}",
+                "Pick a divisor of the mini-batch's response count.",
+            )
+    if actor.use_dynamic_bsz:
+        _positive("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
+        needed = data.max_prompt_length + data.max_response_length
+        if actor.ppo_max_token_len_per_gpu < needed:
+            _fail(
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                f"{actor.ppo_max_token_len_per_gpu} tokens cannot hold one sequence of up to "
+                f"max_prompt_length + max_response_length = {needed}",
+                f"Set it to at least {needed}.",
+            )
+    _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, list(AGG_MODES))
+    _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, list(POLICY_LOSSES))
+    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, list(KL_ESTIMATORS))
+    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])
+    _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
+    if cfg.algorithm.adv_estimator == "gae":
+        _fail(
+            "algorithm.adv_estimator",
+            "gae needs a critic (value model), which this version does not train yet",
+            f"Use one of the critic-free estimators: {', '.join(ESTIMATORS_WITHOUT_CRITIC)}.",
+        )
+    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ESTIMATORS_WITHOUT_CRITIC)
+    if cfg.algorithm.adv_estimator in ("rloo", "grpo_passk", "opo") and n < 2:
+        _fail(
+            "actor_rollout_ref.rollout.n",
+            f"{cfg.algorithm.adv_estimator} compares responses within a group, "
+            "so it needs at least 2 per prompt",
+            "Set actor_rollout_ref.rollout.n >= 2.",
+        )
+    if actor.clip_ratio_c <= 1:
+        _fail(
+            "actor_rollout_ref.actor.clip_ratio_c",
+            f"must be > 1, got {actor.clip_ratio_c}",
+            "Dual-clip caps the loss at c·|A|; c = 3 is the usual value.",
+        )
+    _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
+    if not 0 < rollout.top_p <= 1:
+        _fail(
+            "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {rollout.top_p}", "1.0 disables it."
+        )
+    val = rollout.val_kwargs
+    if val.do_sample and val.temperature <= 0:
+        _fail(
+            "actor_rollout_ref.rollout.val_kwargs.temperature",
+            "sampled validation needs temperature > 0",
+            "Set a temperature or do_sample=false for greedy.",
+        )
+    _positive("actor_rollout_ref.rollout.val_kwargs.n", val.n)
+    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf",))
+    _one_of(
+        "actor_rollout_ref.actor.optim.lr_scheduler_type",
+        actor.optim.lr_scheduler_type,
+        ("constant", "cosine"),
+    )
+    _one_of(
+        "actor_rollout_ref.model.dtype", cfg.actor_rollout_ref.model.dtype, ("float32", "bfloat16", "float16")
+    )
+    from tearless.data import TRUNCATION_MODES
+
+    _one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
+    _one_of("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        _fail(
+            "trainer.resume_from_path",
+            "resume_mode=resume_path needs a path",
+            "Set trainer.resume_from_path=<run dir>/global_step_N.",
+        )
+    _one_of("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
+    for name in cfg.trainer.logger:
+        _one_of("trainer.logger", name, LOGGERS)
+    if cfg.reward_model.enable:
+        _fail(
+            "reward_model.enable",
+            "model-based reward scoring is not available in this version",
+            "Use rule-based scorers or custom_reward_function.path.",
+        )
+    if cfg.trainer.nnodes != 1 or cfg.trainer.n_gpus_per_node != 1:
+        _fail(
+            "trainer.n_gpus_per_node",
+            "the single-process trainer uses one device",
+            "Set trainer.nnodes=1 trainer.n_gpus_per_node=1.",
+        )
+    if (data.train_files is None) != (data.val_files is None):
+        _fail(
+            "data.val_files" if data.val_files is None else "data.train_files",
+            "train and validation files must both be given or both be null (the embedded task)",
+            "Give both data.train_files and data.val_files.",
+        )
+    _one_of("task.name", cfg.task.name, ("arithmetic",))
+    if not 0 <= cfg.task.forget_carry <= 1:
+        _fail(
+            "task.forget_carry",
+            f"must be a probability, got {cfg.task.forget_carry}",
+            "Use a value in [0, 1].",
+        )

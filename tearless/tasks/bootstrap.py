@@ -1,0 +1,188 @@
+"""Make the embedded default task: its data, a tiny Llama-style model and its supervised warm-up.
+
+Everything lands in a cache directory keyed by the task's settings, built under a temporary name
+and renamed when complete, so a second run reuses it and an interrupted build is never picked up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tearless.tasks import arithmetic
+
+VERSION = 1  # bump when the generator, model recipe or warm-up changes, so stale caches are rebuilt
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What determines the embedded task's files (and so its cache key)."""
+
+    name: str = "arithmetic"
+    num_train: int = 2000
+    num_val: int = 200
+    warmup_steps: int = 300
+    forget_carry: float = 0.7
+    seed: int = 1
+    hidden_size: int = 128
+    num_layers: int = 2
+
+    def key(self) -> str:
+        blob = json.dumps({**asdict(self), "version": VERSION}, sort_keys=True)
+        return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class TaskFiles:
+    model_dir: str
+    train_file: str
+    val_file: str
+    info: dict
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TEARLESS_CACHE", Path.home() / ".cache" / "tearless")).expanduser()
+
+
+def tiny_llama(
+    vocab_size: int,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    pad_token_id: int,
+    eos_token_id: int,
+    bos_token_id: int,
+    seed: int,
+) -> torch.nn.Module:
+    """A randomly initialised Llama-style causal LM (4 heads, SwiGLU 3×, tied embeddings)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def supervised_warmup(
+    model: torch.nn.Module,
+    tokenizer,
+    rows: list[dict],
+    *,
+    steps: int,
+    seed: int,
+    forget_carry: float,
+    batch_size: int = 128,
+    lr: float = 3e-3,
+) -> list[float]:
+    """Train on the flawed teacher's worked answers (loss on response tokens only); return the losses."""
+    from tearless.data import render_prompt
+
+    rng = random.Random(seed)
+    encoded = [
+        (render_prompt(tokenizer, r["prompt"]), r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows
+    ]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warm = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.05, 1 - s / steps)
+    )
+    losses = []
+    model.train()
+    for _ in range(steps):
+        pairs = []
+        for prompt, a, b in rng.sample(encoded, min(batch_size, len(encoded))):
+            answer = arithmetic.flawed_teacher(a, b, rng, forget_carry)
+            pairs.append(
+                (prompt, tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+            )
+        width = max(len(p) + len(r) for p, r in pairs)
+        ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
+        labels = torch.full((len(pairs), width), -100)
+        mask = torch.zeros((len(pairs), width), dtype=torch.long)
+        for i, (p, r) in enumerate(pairs):
+            seq = p + r
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+            labels[i, len(p) : len(seq)] = torch.tensor(r)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def prepare_task(
+    spec: TaskSpec, cache_dir: str | os.PathLike | None = None, *, fresh: bool = False, log=print
+) -> TaskFiles:
+    """Return the task's files, building them first if the cache does not hold them."""
+    from tearless.data import write_parquet
+    from tearless.tasks.tokenizer import build_char_tokenizer
+
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    final = root / spec.key()
+    if fresh and final.exists():
+        shutil.rmtree(final)
+    if not (final / "task.json").is_file():
+        tmp = root / f".{spec.key()}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        log(f"building the embedded '{spec.name}' task in {final} (cached for later runs)")
+        start = time.perf_counter()
+        val_rows = arithmetic.generate_rows(spec.num_val, seed=spec.seed * 1000 + 1, split="test")
+        held_out = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in val_rows}
+        train_rows = arithmetic.generate_rows(
+            spec.num_train, seed=spec.seed * 1000 + 2, split="train", exclude=held_out
+        )
+        write_parquet(train_rows, tmp / "train.parquet")
+        write_parquet(val_rows, tmp / "test.parquet")
+        tok = build_char_tokenizer()
+        model = tiny_llama(
+            len(tok),
+            hidden_size=spec.hidden_size,
+            num_layers=spec.num_layers,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+            bos_token_id=tok.bos_token_id,
+            seed=spec.seed,
+        )
+        losses = supervised_warmup(
+            model, tok, train_rows, steps=spec.warmup_steps, seed=spec.seed, forget_carry=spec.forget_carry
+        )
+        model.save_pretrained(tmp / "model")
+        tok.save_pretrained(tmp / "model")
+        info = {
+            "spec": asdict(spec),
+            "version": VERSION,
+            "warmup_final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            "build_seconds": round(time.perf_counter() - start, 1),
+        }
+        (tmp / "task.json").write_text(json.dumps(info, indent=1))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished the same build first; theirs is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"warm-up done in {info['build_seconds']} s (final loss {info['warmup_final_loss']:.3f})")
+    info = json.loads((final / "task.json").read_text())
+    return TaskFiles(str(final / "model"), str(final / "train.parquet"), str(final / "test.parquet"), info)

@@ -1,0 +1,71 @@
+"""Metric computations of the RL loop: batch statistics with veRL's names, pass@k, timing."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from math import comb
+
+import torch
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 − C(n−c, k)/C(n, k) for c correct of n samples."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
+    x = x.float()
+    return {
+        f"{prefix}/mean": float(x.mean()),
+        f"{prefix}/max": float(x.max()),
+        f"{prefix}/min": float(x.min()),
+    }
+
+
+def data_metrics(
+    *,
+    scores: torch.Tensor,
+    rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    truncated: torch.Tensor,
+    correct: torch.Tensor,
+) -> dict[str, float]:
+    """Per-step statistics: scores (before KL), rewards (after), advantages and returns over valid
+    tokens, response/prompt lengths with the share of responses cut at the cap."""
+    valid = response_mask.bool()
+    lengths = response_mask.sum(-1)
+    out = {}
+    out.update(_stats("critic/score", scores))
+    out.update(_stats("critic/rewards", rewards.sum(-1)))
+    out.update(_stats("critic/advantages", advantages[valid]))
+    out.update(_stats("critic/returns", returns[valid]))
+    out.update(_stats("response_length", lengths))
+    out["response_length/clip_ratio"] = float(truncated.float().mean())
+    out.update(_stats("prompt_length", prompt_mask.sum(-1)))
+    out["reward/accuracy"] = float(correct.float().mean())
+    return out
+
+
+class Timer:
+    """Collects ``timing_s/<name>`` for each phase of a step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"timing_s/{k}": v for k, v in self.seconds.items()}

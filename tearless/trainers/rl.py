@@ -1,0 +1,457 @@
+"""The RL trainer of the PPO family (GRPO, RLOO, REINFORCE++, ReMax, OPO, … are estimator choices).
+
+One step, in order (``RLTrainer.train_step``):
+  1. rollout: sample ``rollout.n`` responses per prompt with the built-in KV-cache sampler;
+  2. reward: decode and score each response (process pool, per-sample timeout), the score placed
+     on its last valid token;
+  3. old log-probs (skipped when the update is provably on-policy) and reference log-probs (only
+     when a KL term is on);
+  4. KL in reward (optional) and advantages, grouped by each prompt's ``uid``;
+  5. actor update: PPO epochs over mini-batches, micro-batched, globally normalised.
+Validation, metrics, rollout samples and checkpoints happen around it in ``fit``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tearless.algos import compute_advantage, make_kl_controller
+from tearless.config import Config, to_dict
+from tearless.data import PromptDataset, PromptLoader, load_many
+from tearless.models.loading import load_causal_lm, load_tokenizer
+from tearless.rewards import RewardManager, load_reward_function
+from tearless.rollout.hf import HFRollout, RolloutOutput
+from tearless.trainers import checkpoint as ckpt
+from tearless.trainers.metrics import Timer, data_metrics, pass_at_k
+from tearless.trainers.tracking import Tracker, truncate_metrics
+from tearless.workers.actor import Actor, LogProbWorker, reward_kl
+
+
+def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
+    """Randomness of step ``step`` derived from the seed alone, so a resumed run draws what the
+    uninterrupted run drew."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + stream)
+
+
+class RLTrainer:
+    """Single-process RL trainer. ``RLTrainer(cfg).fit()`` runs the whole training."""
+
+    def __init__(self, cfg: Config, *, reward_fn: Callable[..., Any] | None = None, log=print) -> None:
+        self.cfg, self.log = cfg, log
+        t = cfg.trainer
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+        if t.num_threads > 0:
+            torch.set_num_threads(t.num_threads)
+        self.device = torch.device(
+            "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
+        )
+        model_path, train_files, val_files = self._resolve_paths()
+        arr = cfg.actor_rollout_ref
+        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path)
+        data = cfg.data
+        dkw = dict(
+            max_prompt_length=data.max_prompt_length,
+            truncation=data.truncation,
+            filter_overlong_prompts=data.filter_overlong_prompts,
+        )
+        self.train_set = PromptDataset(load_many(train_files), self.tokenizer, source=str(train_files), **dkw)
+        val_rows = load_many(val_files)
+        if data.val_max_samples > 0:
+            val_rows = val_rows[: data.val_max_samples]
+        self.val_set = PromptDataset(val_rows, self.tokenizer, source=str(val_files), **dkw)
+        self.loader = PromptLoader(
+            self.train_set,
+            data.train_batch_size,
+            shuffle=data.shuffle,
+            seed=t.seed if data.seed is None else data.seed,
+        )
+        self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
+        self.run_dir = Path(t.default_local_dir)
+        self.start_step, resume_dir = self._find_resume()
+        self.model = load_causal_lm(
+            resume_dir / "actor" if resume_dir else model_path,
+            dtype=arr.model.dtype,
+            gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+        ).to(self.device)
+        self.ref = None
+        if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            ref_model = (
+                load_causal_lm(model_path, dtype=arr.model.dtype).to(self.device).requires_grad_(False)
+            )
+            self.ref = LogProbWorker(
+                ref_model,
+                temperature=arr.rollout.temperature,
+                micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+            )
+        self.actor = Actor(
+            self.model,
+            arr.actor,
+            rollout_n=arr.rollout.n,
+            temperature=arr.rollout.temperature,
+            total_steps=self.total_steps,
+            log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+        )
+        eos = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        self.rollout = HFRollout(
+            self.model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
+        )
+        self.response_length = arr.rollout.response_length or data.max_response_length
+        alg = cfg.algorithm
+        self.kl_ctrl = make_kl_controller(
+            alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
+        )
+        crf = cfg.custom_reward_function
+        if reward_fn is None and crf.path:
+            reward_fn = load_reward_function(crf.path, crf.name)
+        rm = cfg.reward_model
+        self.reward = RewardManager(
+            reward_fn,
+            num_workers=rm.num_workers,
+            timeout_s=rm.timeout_s,
+            failure_score=rm.failure_score,
+            reward_kwargs=dict(crf.reward_kwargs),
+        )
+        if resume_dir:
+            self._load_state(resume_dir)
+
+    # ---------------------------------------------------------------- setup helpers
+    def _resolve_paths(self) -> tuple[str, Any, Any]:
+        cfg = self.cfg
+        model_path, train_files, val_files = (
+            cfg.actor_rollout_ref.model.path,
+            cfg.data.train_files,
+            cfg.data.val_files,
+        )
+        if model_path is None or train_files is None:
+            from tearless.tasks.bootstrap import TaskSpec, prepare_task
+
+            task = cfg.task
+            spec = TaskSpec(
+                name=task.name,
+                num_train=task.num_train,
+                num_val=task.num_val,
+                warmup_steps=task.warmup_steps,
+                forget_carry=task.forget_carry,
+            )
+            files = prepare_task(spec, task.cache_dir, fresh=task.fresh, log=self.log)
+            model_path = model_path or files.model_dir
+            if train_files is None:
+                train_files, val_files = files.train_file, files.val_file
+        return model_path, train_files, val_files
+
+    def _find_resume(self) -> tuple[int, Path | None]:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return 0, None
+        path = (
+            Path(t.resume_from_path)
+            if t.resume_mode == "resume_path"
+            else ckpt.latest_checkpoint(self.run_dir)
+        )
+        if path is None:
+            return 0, None
+        state = ckpt.load_state(path)
+        self._resume_state = state
+        return int(state["global_step"]), path
+
+    def _load_state(self, path: Path) -> None:
+        state = self._resume_state
+        self.actor.optimizer.load_state_dict(state["optimizer"])
+        self.actor.scheduler.load_state_dict(state["scheduler"])
+        self.actor.skipped_steps = state["skipped_steps"]
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
+        self.log(f"resumed from {path} at step {self.start_step}")
+
+    def save(self, step: int) -> Path:
+        state = {
+            "global_step": step,
+            "optimizer": self.actor.optimizer.state_dict(),
+            "scheduler": self.actor.scheduler.state_dict(),
+            "skipped_steps": self.actor.skipped_steps,
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "config": to_dict(self.cfg),
+        }
+        return ckpt.save_checkpoint(
+            self.run_dir,
+            step,
+            model=self.model,
+            tokenizer=self.tokenizer,
+            state=state,
+            keep=self.cfg.trainer.max_actor_ckpt_to_keep,
+        )
+
+    # ---------------------------------------------------------------- one RL step
+    def score(
+        self, items: list[dict], out: RolloutOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, dict, list[str]]:
+        """Decode and score responses; return scores (B,), correctness (B,), reward metrics, texts."""
+        texts = [
+            self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+            for ids, m in zip(out.response_ids, out.response_mask)
+        ]
+        requests = [
+            {
+                "data_source": it["data_source"],
+                "solution_str": s,
+                "ground_truth": it["ground_truth"],
+                "extra_info": it["extra_info"],
+            }
+            for it, s in zip(items, texts)
+        ]
+        results = self.reward.score(requests)
+        scores = torch.tensor([r.score for r in results], dtype=torch.float32)
+        correct = torch.tensor(
+            [bool(r.extra["acc"]) if "acc" in r.extra else r.score >= 1.0 for r in results]
+        )
+        extras: dict[str, list[float]] = defaultdict(list)
+        for r in results:
+            for k, v in r.extra.items():
+                extras[k].append(float(v))
+        metrics = {f"reward_extra/{k}/mean": sum(v) / len(v) for k, v in extras.items()}
+        metrics["reward/failures"] = float(sum(r.error is not None for r in results))
+        return scores, correct, metrics, texts
+
+    def train_step(self, prompts: list[dict], step: int) -> dict[str, float]:
+        cfg, arr, alg = self.cfg, self.cfg.actor_rollout_ref, self.cfg.algorithm
+        n, timer = arr.rollout.n, Timer()
+        with timer("step"):
+            with timer("gen"):
+                out = self.rollout.generate(
+                    [p["input_ids"] for p in prompts],
+                    n=n,
+                    max_new_tokens=self.response_length,
+                    temperature=arr.rollout.temperature,
+                    top_p=arr.rollout.top_p,
+                    top_k=arr.rollout.top_k,
+                    generator=_step_generator(cfg.trainer.seed, step, 0),
+                )
+            items = [p for p in prompts for _ in range(n)]
+            uids = [f"{step}-{i // n}" for i in range(len(items))]
+            with timer("reward"):
+                scores, correct, metrics, texts = self.score(items, out)
+            mask = out.response_mask
+            last = (mask.sum(-1) - 1).clamp(min=0)
+            token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+            token_scores[torch.arange(len(items)), last] = scores
+            td = TensorDict(
+                {
+                    "prompt_ids": out.prompt_ids,
+                    "prompt_mask": out.prompt_mask,
+                    "response_ids": out.response_ids,
+                    "response_mask": mask,
+                },
+                batch_size=[len(items)],
+            )
+            if not self.actor.on_policy(len(prompts)) or alg.use_kl_in_reward:
+                with timer("old_log_prob"):
+                    td["old_log_prob"], _ = self.actor.compute_log_prob(td)
+            if self.ref is not None:
+                with timer("ref"):
+                    td["ref_log_prob"], _ = self.ref.compute_log_prob(td)
+            with timer("adv"):
+                rewards = token_scores
+                if alg.use_kl_in_reward:
+                    kl, current_kl = reward_kl(td["old_log_prob"], td["ref_log_prob"], mask, alg.kl_penalty)
+                    rewards = token_scores - self.kl_ctrl.value * kl
+                    metrics["actor/reward_kl_penalty"] = current_kl
+                    metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
+                    self.kl_ctrl.update(current_kl, n_steps=len(items))
+                baselines = self._remax_baselines(prompts, step) if alg.adv_estimator == "remax" else None
+                advantages, returns = compute_advantage(
+                    alg.adv_estimator,
+                    token_level_rewards=rewards,
+                    response_mask=mask,
+                    index=uids,
+                    gamma=alg.gamma,
+                    lam=alg.lam,
+                    norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+                    reward_baselines=baselines,
+                )
+                td["advantages"] = advantages
+            with timer("update_actor"):
+                metrics.update(
+                    self.actor.update_policy(td, generator=_step_generator(cfg.trainer.seed, step, 1))
+                )
+        metrics.update(
+            data_metrics(
+                scores=scores,
+                rewards=rewards,
+                advantages=advantages,
+                returns=returns,
+                response_mask=mask,
+                prompt_mask=out.prompt_mask,
+                truncated=out.truncated,
+                correct=correct,
+            )
+        )
+        metrics.update(timer.metrics())
+        tokens = int(out.prompt_mask.sum() + mask.sum())
+        metrics.update(
+            {
+                "perf/total_num_tokens": float(tokens),
+                "perf/time_per_step": timer.seconds["step"],
+                "perf/throughput": tokens / max(timer.seconds["step"], 1e-9),
+            }
+        )
+        self._dump_samples(step, items, uids, texts, scores, advantages, mask, out.truncated)
+        return metrics
+
+    def _remax_baselines(self, prompts: list[dict], step: int) -> torch.Tensor:
+        """ReMax's baseline: the reward of each prompt's greedy response, repeated for its n samples."""
+        out = self.rollout.generate(
+            [p["input_ids"] for p in prompts], n=1, max_new_tokens=self.response_length, do_sample=False
+        )
+        scores, _, _, _ = self.score(prompts, out)
+        return scores.repeat_interleave(self.cfg.actor_rollout_ref.rollout.n)
+
+    def _dump_samples(self, step, items, uids, texts, scores, advantages, mask, truncated) -> None:
+        keep = self.cfg.trainer.num_rollout_samples
+        if keep <= 0:
+            return
+        lines = []
+        for i in range(min(keep, len(items))):
+            valid = mask[i].bool()
+            lines.append(
+                json.dumps(
+                    {
+                        "step": step,
+                        "uid": uids[i],
+                        "data_source": items[i]["data_source"],
+                        "prompt": self.tokenizer.decode(items[i]["input_ids"], skip_special_tokens=False),
+                        "response": texts[i],
+                        "ground_truth": str(items[i]["ground_truth"]),
+                        "score": float(scores[i]),
+                        "advantage": float(advantages[i][valid][0]) if valid.any() else 0.0,
+                        "response_length": int(valid.sum()),
+                        "truncated": bool(truncated[i]),
+                    }
+                )
+            )
+        with open(self.run_dir / "rollouts.jsonl", "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+    # ---------------------------------------------------------------- validation
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy always; with ``val_kwargs.do_sample``, mean@n and pass@k too, per data_source."""
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        items = [self.val_set[i] for i in range(len(self.val_set))]
+        size = self.cfg.data.val_batch_size or len(items)
+        metrics: dict[str, float] = {}
+        per_source: dict[str, list] = defaultdict(list)
+        for start in range(0, len(items), size):
+            chunk = items[start : start + size]
+            out = self.rollout.generate(
+                [it["input_ids"] for it in chunk], n=1, max_new_tokens=self.response_length, do_sample=False
+            )
+            scores, correct, _, _ = self.score(chunk, out)
+            for it, s, c in zip(chunk, scores.tolist(), correct.tolist()):
+                per_source[it["data_source"]].append((s, c))
+        for src, vals in per_source.items():
+            metrics[f"val-core/{src}/acc/greedy"] = sum(c for _, c in vals) / len(vals)
+            metrics[f"val-core/{src}/reward/greedy"] = sum(s for s, _ in vals) / len(vals)
+        if vk.do_sample:
+            gen = _step_generator(self.cfg.trainer.seed, -1, 2)
+            counts: dict[str, list] = defaultdict(list)
+            for start in range(0, len(items), size):
+                chunk = items[start : start + size]
+                out = self.rollout.generate(
+                    [it["input_ids"] for it in chunk],
+                    n=vk.n,
+                    max_new_tokens=self.response_length,
+                    temperature=vk.temperature,
+                    top_p=vk.top_p,
+                    top_k=vk.top_k,
+                    generator=gen,
+                )
+                scores, correct, _, _ = self.score([it for it in chunk for _ in range(vk.n)], out)
+                for j, it in enumerate(chunk):
+                    sl = slice(j * vk.n, (j + 1) * vk.n)
+                    counts[it["data_source"]].append((float(scores[sl].mean()), int(correct[sl].sum())))
+            for src, vals in counts.items():
+                metrics[f"val-core/{src}/reward/mean@{vk.n}"] = sum(m for m, _ in vals) / len(vals)
+                metrics[f"val-core/{src}/acc/mean@{vk.n}"] = sum(c for _, c in vals) / (len(vals) * vk.n)
+                k = 1
+                while k <= vk.n:
+                    metrics[f"val-core/{src}/acc/pass@{k}"] = sum(
+                        pass_at_k(vk.n, c, k) for _, c in vals
+                    ) / len(vals)
+                    k *= 2
+        return metrics
+
+    # ---------------------------------------------------------------- the loop
+    def fit(self) -> dict[str, Any]:
+        """Train to ``total_steps``; return the run directory and validation before and after."""
+        cfg, t = self.cfg, self.cfg.trainer
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))
+        tracker = Tracker(
+            self.run_dir,
+            list(t.logger),
+            total_steps=self.total_steps,
+            config=to_dict(cfg),
+            project=t.project_name,
+            experiment=t.experiment_name,
+            log_freq=t.log_freq,
+        )
+        tracker.start_at(self.start_step)
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir), "start_step": self.start_step}
+        started = time.perf_counter()
+        try:
+            if self.start_step == 0 and (t.val_before_train or t.val_only):
+                with Timer()("testing"):
+                    summary["before"] = self.validate()
+                tracker.log(summary["before"], 0)
+                tracker.write(_format_val("before training", summary["before"]))
+            if t.val_only:
+                return summary
+            step = self.start_step
+            while step < self.total_steps:
+                epoch, i = divmod(step, self.loader.num_batches)
+                prompts = self.loader.batch(epoch, i)
+                step += 1
+                metrics = self.train_step(prompts, step)
+                metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
+                last = step == self.total_steps
+                if last or (t.test_freq > 0 and step % t.test_freq == 0):
+                    timer = Timer()
+                    with timer("testing"):
+                        val = self.validate()
+                    metrics.update(val)
+                    metrics.update(timer.metrics())
+                    summary["after"] = val
+                if last or (t.save_freq > 0 and step % t.save_freq == 0):
+                    timer = Timer()
+                    with timer("save_checkpoint"):
+                        summary["checkpoint"] = str(self.save(step))
+                    metrics.update(timer.metrics())
+                tracker.log(metrics, step)
+            if "after" in summary:
+                tracker.write(_format_val("after training", summary["after"]))
+        finally:
+            tracker.close()
+            self.reward.close()
+        summary["seconds"] = time.perf_counter() - started
+        summary["steps"] = self.total_steps
+        return summary
+
+
+def _format_val(title: str, metrics: dict[str, float]) -> str:
+    lines = [f"held-out {title}:"] + [f"  {k:<40} {v:.4f}" for k, v in sorted(metrics.items())]
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""Metric sinks: console (progress bar + a table every few steps), JSONL (always), TensorBoard, W&B.
+
+The JSONL file gets one complete line per step, written in a single call and flushed, so a crash
+can at worst leave a torn last line, which :func:`read_metrics` skips.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+KEY_METRICS = {
+    "critic/score/mean": "reward",
+    "actor/kl_loss": "kl",
+    "actor/entropy": "entropy",
+    "response_length/mean": "len",
+    "timing_s/step": "s/step",
+}
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All complete records of a metrics JSONL file (a torn last line is skipped)."""
+    records = []
+    p = Path(path)
+    if not p.exists():
+        return records
+    for line in p.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
+    """Keep records up to ``last_step`` (resume replays the steps after its checkpoint)."""
+    p = Path(path)
+    if not p.exists():
+        return
+    kept = [r for r in read_metrics(p) if r.get("step", 0) <= last_step]
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, p)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e4):
+            return f"{value:.3e}"
+        return f"{value:.4f}"
+    return str(value)
+
+
+class Tracker:
+    """Send each step's metrics to every configured logger, with the same names everywhere."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        loggers: list[str],
+        *,
+        total_steps: int,
+        config: dict,
+        project: str,
+        experiment: str,
+        log_freq: int = 10,
+        stream=None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.loggers = loggers
+        self.log_freq = log_freq
+        self.stream = stream or sys.stderr
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if "jsonl" in loggers else None
+        self.bar = None
+        if "console" in loggers:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="train", file=self.stream, dynamic_ncols=True)
+        self.tb = None
+        if "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError(
+                    "trainer.logger has tensorboard but it is not installed: pip install 'tearless[logging]'"
+                ) from e
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.wandb = None
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError as e:
+                raise ImportError(
+                    "trainer.logger has wandb but it is not installed: "
+                    "pip install 'tearless[logging]' (WANDB_MODE=offline works without network)"
+                ) from e
+            self.wandb = wandb.init(project=project, name=experiment, config=config, dir=str(self.run_dir))
+
+    def start_at(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+        if self.jsonl is not None:
+            self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+            self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if self.bar is not None and any(k.startswith("critic/") for k in clean):
+            self.bar.set_postfix(
+                {short: _fmt(clean[k]) for k, short in KEY_METRICS.items() if k in clean}, refresh=False
+            )
+            self.bar.update(step - self.bar.n)
+            if self.log_freq > 0 and step % self.log_freq == 0:
+                self.print_table(clean, step)
+
+    def print_table(self, metrics: dict[str, Any], step: int) -> None:
+        keys = sorted(k for k in metrics if isinstance(metrics[k], float))
+        lines = [f"step {step}"] + [f"  {k:<40} {_fmt(metrics[k])}" for k in keys]
+        self.write("\n".join(lines))
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        elif "console" in self.loggers:
+            print(text, file=self.stream)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

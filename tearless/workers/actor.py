@@ -1,0 +1,226 @@
+"""The actor (policy) and reference workers of the single-process placement.
+
+The actor owns the trained model, its AdamW optimizer and learning-rate schedule. ``update_policy``
+is veRL's update: ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size × n`` responses,
+each split into micro-batches (by count or by token budget) whose losses are normalised by the
+mini-batch's global token and sequence counts, so accumulation gives exactly the gradient of the
+whole mini-batch; one optimizer step per mini-batch, gradients clipped, a non-finite gradient norm
+skips the step and is counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from tensordict import TensorDict
+
+from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
+from tearless.config.schema import ActorConfig
+from tearless.models.logprobs import response_logprobs
+
+
+def micro_batches(
+    td: TensorDict, *, size: int | None = None, token_budget: int | None = None
+) -> list[TensorDict]:
+    """Split ``td`` into consecutive micro-batches of ``size`` rows, or packed under ``token_budget``.
+
+    The token count of a row is its real (unpadded) prompt + response length.
+    """
+    rows = td.batch_size[0]
+    if token_budget is None:
+        step = size or rows
+        return [td[i : i + step] for i in range(0, rows, step)]
+    lengths = (td["prompt_mask"].sum(-1) + td["response_mask"].sum(-1)).tolist()
+    chunks, start, used = [], 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and used + length > token_budget:
+            chunks.append(td[start:i])
+            start, used = i, 0
+        used += length
+    chunks.append(td[start:rows])
+    return chunks
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float, num_cycles: float):
+    """Multiplier of the base lr at scheduler step s: linear warm-up, then constant or cosine."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * 2.0 * num_cycles * progress))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * max(0.0, cosine)
+
+    return f
+
+
+class LogProbWorker:
+    """Forward-only log-probs of responses (the reference policy, or the actor's old log-probs)."""
+
+    def __init__(self, model: torch.nn.Module, *, temperature: float, micro_batch_size: int | None = None):
+        self.model = model
+        self.temperature = temperature
+        self.micro_batch_size = micro_batch_size
+
+    @torch.no_grad()
+    def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
+        """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches."""
+        was_training = self.model.training
+        self.model.eval()
+        outs, ents = [], []
+        for mb in micro_batches(td, size=self.micro_batch_size):
+            lp, ent = response_logprobs(
+                self.model,
+                mb["prompt_ids"],
+                mb["prompt_mask"],
+                mb["response_ids"],
+                mb["response_mask"],
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+            )
+            outs.append(lp.cpu())
+            if ent is not None:
+                ents.append(ent.cpu())
+        self.model.train(was_training)
+        return torch.cat(outs), (torch.cat(ents) if ents else None)
+
+
+class Actor(LogProbWorker):
+    """The trained policy: PPO-family updates with the losses of :mod:`tearless.algos`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: ActorConfig,
+        *,
+        rollout_n: int,
+        temperature: float,
+        total_steps: int,
+        log_prob_micro_batch_size: int | None = None,
+    ):
+        super().__init__(model, temperature=temperature, micro_batch_size=log_prob_micro_batch_size)
+        self.cfg = cfg
+        self.rollout_n = rollout_n
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas)
+        )
+        warmup = cfg.optim.lr_warmup_steps
+        if warmup < 0:
+            warmup = int(cfg.optim.lr_warmup_steps_ratio * total_steps)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lr_lambda(
+                total_steps, warmup, cfg.optim.lr_scheduler_type, cfg.optim.min_lr_ratio, cfg.optim.num_cycles
+            ),
+        )
+        self.skipped_steps = 0
+
+    def on_policy(self, num_prompts: int) -> bool:
+        """One epoch over one mini-batch: the update's ratio is exactly 1, old log-probs are not needed."""
+        return self.cfg.ppo_epochs == 1 and num_prompts == self.cfg.ppo_mini_batch_size
+
+    def _micro_loss(self, mb: TensorDict, norm: dict, use_detached_old: bool) -> tuple[torch.Tensor, dict]:
+        cfg = self.cfg
+        need_entropy = "grad" if cfg.entropy_coeff != 0 else True
+        log_prob, entropy = response_logprobs(
+            self.model,
+            mb["prompt_ids"],
+            mb["prompt_mask"],
+            mb["response_ids"],
+            mb["response_mask"],
+            temperature=self.temperature,
+            with_entropy=need_entropy,
+        )
+        device = log_prob.device
+        mask = mb["response_mask"].to(device)
+        old = log_prob.detach() if use_detached_old else mb["old_log_prob"].to(device)
+        low = cfg.clip_ratio if cfg.clip_ratio_low is None else cfg.clip_ratio_low
+        high = cfg.clip_ratio if cfg.clip_ratio_high is None else cfg.clip_ratio_high
+        pg_loss, pg_metrics = policy_loss(
+            cfg.policy_loss.loss_mode,
+            old_log_prob=old,
+            log_prob=log_prob,
+            advantages=mb["advantages"].to(device),
+            response_mask=mask,
+            clip_ratio_low=low,
+            clip_ratio_high=high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            **norm,
+        )
+        loss = pg_loss
+        metrics = {"actor/pg_loss": pg_loss.detach()}
+        share = mask.sum() / norm["global_num_tokens"]  # this micro-batch's share of the mini-batch's tokens
+        for name, value in pg_metrics.items():
+            metrics[f"actor/{name}"] = value.detach() * share
+        ent_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **norm)
+        metrics["actor/entropy"] = ent_loss.detach()
+        if cfg.entropy_coeff != 0:
+            loss = loss - cfg.entropy_coeff * ent_loss
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, mb["ref_log_prob"].to(device), cfg.kl_loss_type)
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **norm)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            metrics["actor/kl_loss"] = kl_loss.detach()
+        return loss, metrics
+
+    def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
+        """Run the PPO epochs over ``td`` (one training step's responses); return averaged metrics."""
+        cfg = self.cfg
+        self.model.train()
+        rows = td.batch_size[0]
+        mini_rows = cfg.ppo_mini_batch_size * self.rollout_n
+        use_detached_old = self.on_policy(rows // self.rollout_n)
+        sums: dict[str, float] = defaultdict(float)
+        steps = 0
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(rows, generator=generator) if cfg.shuffle else torch.arange(rows)
+            for start in range(0, rows, mini_rows):
+                mini = td[order[start : start + mini_rows]]
+                mask = mini["response_mask"]
+                norm = {
+                    "global_num_tokens": mask.sum().clamp(min=1),
+                    "global_num_seqs": (mask.sum(-1) > 0).sum().clamp(min=1),
+                    "loss_scale_factor": float(mask.shape[1]),
+                }
+                self.optimizer.zero_grad(set_to_none=True)
+                step_metrics: dict[str, float] = defaultdict(float)
+                for mb in micro_batches(
+                    mini,
+                    size=None if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu,
+                    token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+                ):
+                    loss, metrics = self._micro_loss(mb, norm, use_detached_old)
+                    loss.backward()
+                    for k, v in metrics.items():
+                        step_metrics[k] += float(v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    self.skipped_steps += 1
+                    self.optimizer.zero_grad(set_to_none=True)
+                step_metrics["actor/grad_norm"] = float(grad_norm)
+                for k, v in step_metrics.items():
+                    sums[k] += v
+                steps += 1
+        self.scheduler.step()
+        out = {k: v / steps for k, v in sums.items()}
+        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        out["actor/skipped_steps"] = float(self.skipped_steps)
+        out["actor/num_optimizer_steps"] = float(steps)
+        if cfg.use_kl_loss:
+            out["actor/kl_coef"] = cfg.kl_loss_coef
+        return out
+
+
+def reward_kl(old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, kind: str) -> tuple:
+    """Per-token KL for the in-reward penalty and the batch KL the controller sees (mean of sequence means)."""
+    kl = kl_penalty(old_log_prob, ref_log_prob, kind) * mask
+    seq_kl = masked_mean(kl, mask, dim=-1)
+    return kl, float(seq_kl.mean())
