@@ -88,7 +88,7 @@ class HFRollout:
         do_sample: bool = True,
         generator: torch.Generator | None = None,
     ) -> RolloutOutput:
-        """Return ``n`` responses per prompt (rows of one prompt adjacent), at most ``max_new_tokens`` each."""
+        """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each."""
         from transformers import DynamicCache
 
         was_training = self.model.training

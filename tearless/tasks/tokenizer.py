@@ -34,7 +34,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     rewards. The pad token is distinct from EOS, as left-padded generation requires.
     """
     specials = [PAD, EOS, BOS, UNK, *ROLE_TOKENS]
-    chars = sorted(set(string.printable) - set("\t\n\r\x0b\x0c")) + ["\n"]
+    chars = [*sorted(set(string.printable) - set("\t\n\r\x0b\x0c")), "\n"]
     vocab = {tok: i for i, tok in enumerate(specials + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")

@@ -204,7 +204,7 @@ class RLTrainer:
         """Decode and score responses; return scores (B,), correctness (B,), reward metrics, texts."""
         texts = [
             self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-            for ids, m in zip(out.response_ids, out.response_mask)
+            for ids, m in zip(out.response_ids, out.response_mask, strict=True)
         ]
         requests = [
             {
@@ -213,7 +213,7 @@ class RLTrainer:
                 "ground_truth": it["ground_truth"],
                 "extra_info": it["extra_info"],
             }
-            for it, s in zip(items, texts)
+            for it, s in zip(items, texts, strict=True)
         ]
         results = self.reward.score(requests)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
@@ -361,7 +361,7 @@ class RLTrainer:
                 [it["input_ids"] for it in chunk], n=1, max_new_tokens=self.response_length, do_sample=False
             )
             scores, correct, _, _ = self.score(chunk, out)
-            for it, s, c in zip(chunk, scores.tolist(), correct.tolist()):
+            for it, s, c in zip(chunk, scores.tolist(), correct.tolist(), strict=True):
                 per_source[it["data_source"]].append((s, c))
         for src, vals in per_source.items():
             metrics[f"val-core/{src}/acc/greedy"] = sum(c for _, c in vals) / len(vals)

@@ -220,7 +220,7 @@ class Actor(LogProbWorker):
 
 
 def reward_kl(old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, kind: str) -> tuple:
-    """Per-token KL for the in-reward penalty and the batch KL the controller sees (mean of sequence means)."""
+    """Per-token KL for the in-reward penalty, and the batch KL for the controller (mean of seq means)."""
     kl = kl_penalty(old_log_prob, ref_log_prob, kind) * mask
     seq_kl = masked_mean(kl, mask, dim=-1)
     return kl, float(seq_kl.mean())
