@@ -32,7 +32,7 @@ from tearless.rewards import RewardManager, load_reward_function
 from tearless.rollout.hf import HFRollout, RolloutOutput
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k
-from tearless.trainers.tracking import Tracker, truncate_metrics
+from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import Actor, LogProbWorker, reward_kl
 
 
@@ -174,7 +174,6 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
-        truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
         self.log(f"resumed from {path} at step {self.start_step}")
 
     def save(self, step: int) -> Path:
@@ -349,57 +348,59 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
-        """Greedy accuracy always; with ``val_kwargs.do_sample``, mean@n and pass@k too, per data_source."""
+        """Greedy accuracy always; with ``val_kwargs.do_sample``, mean@n and pass@k too, per data_source.
+
+        A sample is correct when its scorer's ``acc`` is true or, without one, its score is ≥ 1.
+        """
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
         items = [self.val_set[i] for i in range(len(self.val_set))]
-        size = self.cfg.data.val_batch_size or len(items)
         metrics: dict[str, float] = {}
-        per_source: dict[str, list] = defaultdict(list)
-        for start in range(0, len(items), size):
-            chunk = items[start : start + size]
-            out = self.rollout.generate(
-                [it["input_ids"] for it in chunk], n=1, max_new_tokens=self.response_length, do_sample=False
-            )
-            scores, correct, _, _ = self.score(chunk, out)
-            for it, s, c in zip(chunk, scores.tolist(), correct.tolist(), strict=True):
-                per_source[it["data_source"]].append((s, c))
-        for src, vals in per_source.items():
+        for src, vals in self._val_pass(items, n=1, do_sample=False).items():
             metrics[f"val-core/{src}/acc/greedy"] = sum(c for _, c in vals) / len(vals)
-            metrics[f"val-core/{src}/reward/greedy"] = sum(s for s, _ in vals) / len(vals)
+            metrics[f"val-core/{src}/reward/greedy"] = sum(m for m, _ in vals) / len(vals)
         if vk.do_sample:
-            gen = _step_generator(self.cfg.trainer.seed, -1, 2)
-            counts: dict[str, list] = defaultdict(list)
-            for start in range(0, len(items), size):
-                chunk = items[start : start + size]
-                out = self.rollout.generate(
-                    [it["input_ids"] for it in chunk],
-                    n=vk.n,
-                    max_new_tokens=self.response_length,
-                    temperature=vk.temperature,
-                    top_p=vk.top_p,
-                    top_k=vk.top_k,
-                    generator=gen,
-                )
-                scores, correct, _, _ = self.score([it for it in chunk for _ in range(vk.n)], out)
-                for j, it in enumerate(chunk):
-                    sl = slice(j * vk.n, (j + 1) * vk.n)
-                    counts[it["data_source"]].append((float(scores[sl].mean()), int(correct[sl].sum())))
-            for src, vals in counts.items():
+            sampled = self._val_pass(
+                items,
+                n=vk.n,
+                temperature=vk.temperature,
+                top_p=vk.top_p,
+                top_k=vk.top_k,
+                generator=_step_generator(self.cfg.trainer.seed, -1, 2),
+            )
+            for src, vals in sampled.items():
                 metrics[f"val-core/{src}/reward/mean@{vk.n}"] = sum(m for m, _ in vals) / len(vals)
                 metrics[f"val-core/{src}/acc/mean@{vk.n}"] = sum(c for _, c in vals) / (len(vals) * vk.n)
                 k = 1
                 while k <= vk.n:
-                    metrics[f"val-core/{src}/acc/pass@{k}"] = sum(
-                        pass_at_k(vk.n, c, k) for _, c in vals
-                    ) / len(vals)
+                    passed = sum(pass_at_k(vk.n, c, k) for _, c in vals)
+                    metrics[f"val-core/{src}/acc/pass@{k}"] = passed / len(vals)
                     k *= 2
         return metrics
+
+    def _val_pass(self, items: list[dict], *, n: int, **sampling: Any) -> dict[str, list[tuple[float, int]]]:
+        """Generate ``n`` responses per item; per data_source, (mean score, number correct) per prompt."""
+        size = self.cfg.data.val_batch_size or len(items)
+        per_source: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        for start in range(0, len(items), size):
+            chunk = items[start : start + size]
+            out = self.rollout.generate(
+                [it["input_ids"] for it in chunk], n=n, max_new_tokens=self.response_length, **sampling
+            )
+            scores, correct, _, _ = self.score([it for it in chunk for _ in range(n)], out)
+            for j, it in enumerate(chunk):
+                rows = slice(j * n, (j + 1) * n)
+                per_source[it["data_source"]].append((float(scores[rows].mean()), int(correct[rows].sum())))
+        return per_source
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
         """Train to ``total_steps``; return the run directory and validation before and after."""
         cfg, t = self.cfg, self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Steps after the checkpoint we start from are replayed, so their old records go (all of them
+        # when starting from scratch in a used directory).
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            truncate_jsonl(self.run_dir / name, self.start_step if self.start_step > 0 else -1)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))
         tracker = Tracker(
             self.run_dir,
@@ -421,6 +422,11 @@ class RLTrainer:
                 tracker.write(_format_val("before training", summary["before"]))
             if t.val_only:
                 return summary
+            if self.start_step >= self.total_steps:
+                tracker.write(
+                    f"the run in {self.run_dir} is already complete ({self.start_step} steps); set "
+                    "trainer.resume_mode=disable or another trainer.experiment_name to train again"
+                )
             step = self.start_step
             while step < self.total_steps:
                 epoch, i = divmod(step, self.loader.num_batches)

@@ -36,8 +36,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
-def truncate_metrics(path: str | os.PathLike, last_step: int) -> None:
-    """Keep records up to ``last_step`` (resume replays the steps after its checkpoint)."""
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
+    """Keep the records of a step-keyed JSONL file up to ``last_step`` (-1 empties it)."""
     p = Path(path)
     if not p.exists():
         return
