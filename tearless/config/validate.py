@@ -81,7 +81,8 @@ def validate(cfg: Config) -> None:
             )
     _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, list(AGG_MODES))
     _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, list(POLICY_LOSSES))
-    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, list(KL_ESTIMATORS))
+    straight_through = [f"{k}+" for k in KL_ESTIMATORS if k != "full"]
+    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])
     _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
     if cfg.algorithm.adv_estimator == "gae":
