@@ -36,7 +36,7 @@ def response_logprobs(
     response_mask: torch.Tensor,
     *,
     temperature: float = 1.0,
-    with_entropy: bool = False,
+    with_entropy: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return log π(y_t | x, y_<t) of each response token, shape (B, R), and optionally its entropy.
 

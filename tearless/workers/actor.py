@@ -66,6 +66,18 @@ class LogProbWorker:
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
 
+    def forward(self, mb: TensorDict, *, with_entropy: bool | str = False):
+        """Log-probs (and entropy) of one micro-batch's responses, with gradient if enabled."""
+        return response_logprobs(
+            self.model,
+            mb["prompt_ids"],
+            mb["prompt_mask"],
+            mb["response_ids"],
+            mb["response_mask"],
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+        )
+
     @torch.no_grad()
     def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
         """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches."""
@@ -73,15 +85,7 @@ class LogProbWorker:
         self.model.eval()
         outs, ents = [], []
         for mb in micro_batches(td, size=self.micro_batch_size):
-            lp, ent = response_logprobs(
-                self.model,
-                mb["prompt_ids"],
-                mb["prompt_mask"],
-                mb["response_ids"],
-                mb["response_mask"],
-                temperature=self.temperature,
-                with_entropy=with_entropy,
-            )
+            lp, ent = self.forward(mb, with_entropy=with_entropy)
             outs.append(lp.cpu())
             if ent is not None:
                 ents.append(ent.cpu())
@@ -127,15 +131,7 @@ class Actor(LogProbWorker):
     def _micro_loss(self, mb: TensorDict, norm: dict, use_detached_old: bool) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         need_entropy = "grad" if cfg.entropy_coeff != 0 else True
-        log_prob, entropy = response_logprobs(
-            self.model,
-            mb["prompt_ids"],
-            mb["prompt_mask"],
-            mb["response_ids"],
-            mb["response_mask"],
-            temperature=self.temperature,
-            with_entropy=need_entropy,
-        )
+        log_prob, entropy = self.forward(mb, with_entropy=need_entropy)
         device = log_prob.device
         mask = mb["response_mask"].to(device)
         old = log_prob.detach() if use_detached_old else mb["old_log_prob"].to(device)
