@@ -33,11 +33,11 @@ def _all_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, datac
             yield key, f
 
 
-def _explain(err: OmegaConfBaseException, source: str) -> ConfigError:
+def _explain(err: OmegaConfBaseException, source: str, schema: type = Config) -> ConfigError:
     key = getattr(err, "full_key", None) or "?"
     msg = str(err).splitlines()[0]
     if "not in" in msg or ("Key '" in msg and "not" in msg):
-        known = [k for k, _ in _all_keys()]
+        known = [k for k, _ in _all_keys(schema)]
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
         section = key.rsplit(".", 1)[0] if "." in key else ""
@@ -60,16 +60,21 @@ def _dotlist(overrides: Iterable[str]) -> list[str]:
     return items
 
 
-def load_config(config: Any = None, overrides: Iterable[str] = (), *, validate_config: bool = True) -> Config:
+def load_config(
+    config: Any = None, overrides: Iterable[str] = (), *, validate_config: bool = True, schema: type = Config
+) -> Any:
     """Merge the defaults with ``config`` (a :class:`Config`, a dict, or a YAML path) and ``overrides``.
+
+    ``schema`` is the dataclass of the command's config (the RL trainer's :class:`Config` by default;
+    other trainers pass theirs). A schema with a ``validate()`` method has it called after merging.
 
     ``overrides`` are dotted ``key=value`` strings, veRL style. Unknown keys, wrong types and
     impossible combinations raise :class:`ConfigError` naming the key and the fix.
     """
-    merged = OmegaConf.structured(Config)
+    merged = OmegaConf.structured(schema)
     layers: list[tuple[Any, str]] = []
-    if isinstance(config, Config):
-        layers.append((OmegaConf.structured(config), "the Config object"))
+    if isinstance(config, schema):
+        layers.append((OmegaConf.structured(config), f"the {schema.__name__} object"))
     elif isinstance(config, Mapping):
         layers.append((OmegaConf.create(dict(config)), "the config dict"))
     elif isinstance(config, (str, os.PathLike)):
@@ -81,7 +86,9 @@ def load_config(config: Any = None, overrides: Iterable[str] = (), *, validate_c
         except Exception as e:  # a YAML syntax error names the line itself
             raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     elif config is not None:
-        raise ConfigError(f"config must be a Config, a dict or a YAML path, not {type(config).__name__}")
+        raise ConfigError(
+            f"config must be a {schema.__name__}, a dict or a YAML path, not {type(config).__name__}"
+        )
     dotlist = _dotlist(overrides)
     for item in dotlist:
         try:
@@ -92,33 +99,36 @@ def load_config(config: Any = None, overrides: Iterable[str] = (), *, validate_c
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
-            raise _explain(e, source) from e
+            raise _explain(e, source, schema) from e
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise _explain(e, "the merged config") from e
-    assert isinstance(cfg, Config)
+        raise _explain(e, "the merged config", schema) from e
+    assert isinstance(cfg, schema)
     if validate_config:
-        from tearless.config.validate import validate
+        if schema is Config:
+            from tearless.config.validate import validate
 
-        validate(cfg)
+            validate(cfg)
+        elif hasattr(cfg, "validate"):
+            cfg.validate()
     return cfg
 
 
-def to_dict(cfg: Config) -> dict:
+def to_dict(cfg: Any) -> dict:
     """The config as plain nested dicts (for YAML dumps and loggers)."""
     return dataclasses.asdict(cfg)
 
 
-def to_yaml(cfg: Config) -> str:
+def to_yaml(cfg: Any) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
-def describe(cfg: Config | None = None) -> str:
+def describe(cfg: Any = None) -> str:
     """Every key with its current value and its documentation line, one per line."""
-    cfg = cfg or Config()
+    cfg = cfg if cfg is not None else Config()
     lines = []
-    for key, f in _all_keys():
+    for key, f in _all_keys(type(cfg)):
         value: Any = cfg
         for part in key.split("."):
             value = getattr(value, part)
