@@ -31,6 +31,9 @@ class DataConfig:
     prompt_key: str = doc("prompt", "column holding the chat messages")
     max_prompt_length: int = doc(64, "prompts longer than this (in tokens) are handled by data.truncation")
     max_response_length: int = doc(16, "cap on generated tokens per response (veRL: rollout.response_length)")
+    gen_batch_size: Any = doc(
+        None, "prompts per generation round with algorithm.filter_groups; null = data.train_batch_size"
+    )
     train_batch_size: int = doc(16, "prompts per RL step (each sampled actor_rollout_ref.rollout.n times)")
     val_batch_size: Any = doc(None, "prompts per validation generation call; null = all at once")
     truncation: str = doc(
@@ -133,6 +136,52 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
+class CriticModelConfig:
+    path: Any = doc(
+        None, "value model's initial weights (a causal-LM directory); null = the actor's model path"
+    )
+    tokenizer_path: Any = doc(
+        None, "unused by tearless (the actor's tokenizer is used); accepted for veRL configs"
+    )
+    enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
+
+
+@dataclass
+class CriticConfig:
+    enable: Any = doc(None, "train a value model; null = only when algorithm.adv_estimator=gae")
+    model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    # veRL's critic lr default is 1e-5; 1e-3 suits the embedded tiny model.
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    ppo_mini_batch_size: Any = doc(None, "prompts per critic optimizer step; null = the actor's")
+    ppo_micro_batch_size_per_gpu: Any = doc(
+        None, "responses per critic forward/backward; null = the mini-batch"
+    )
+    use_dynamic_bsz: Any = doc(None, "micro-batches by token budget; null = the actor's setting")
+    ppo_max_token_len_per_gpu: int = doc(16384, "token budget of one critic micro-batch when use_dynamic_bsz")
+    forward_micro_batch_size_per_gpu: Any = doc(None, "rows per value forward; null = all at once")
+    ppo_epochs: Any = doc(None, "critic passes over each step's rollouts; null = the actor's")
+    shuffle: bool = doc(False, "shuffle responses between critic epochs")
+    cliprange_value: float = doc(0.5, "value clipping range around the rollout-time values")
+    loss_agg_mode: Any = doc(None, "critic loss aggregation; null = the actor's")
+    grad_clip: float = doc(1.0, "max global gradient norm of the critic")
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = doc(
+        False,
+        "DAPO dynamic sampling: keep only groups whose scores differ, re-sampling "
+        "prompts until the batch is full",
+    )
+    metric: str = doc("score", "what must differ within a group: score (the reward before KL)")
+    max_num_gen_batches: int = doc(
+        4,
+        "cap on generation rounds per step (0 = no cap); at the cap the step "
+        "trains on the groups kept so far",
+    )
+
+
+@dataclass
 class KLCtrlConfig:
     type: str = doc("fixed", "KL-in-reward controller: fixed | adaptive")
     kl_coef: float = doc(0.001, "(initial) KL-in-reward coefficient β")
@@ -144,8 +193,8 @@ class KLCtrlConfig:
 class AlgorithmConfig:
     adv_estimator: str = doc(
         "grpo",
-        "grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
-        "opo | grpo_passk (gae needs a critic)",
+        "gae (PPO with a critic) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
+        "remax | opo | grpo_passk",
     )
     gamma: float = doc(1.0, "discount γ")
     lam: float = doc(1.0, "GAE λ")
@@ -153,6 +202,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = doc(False, "subtract β · KL(π_old‖π_ref) from the token rewards")
     kl_penalty: str = doc("kl", "estimator for KL in reward: kl/k1 | abs | mse/k2 | low_var_kl/k3")
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass
@@ -197,6 +247,7 @@ class TrainerConfig:
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
     log_freq: int = doc(10, "print a metrics table every N steps")
     num_rollout_samples: int = doc(8, "rollout samples per step written to rollouts.jsonl")
+    critic_warmup: int = doc(0, "steps at the start that update only the critic")
     nnodes: int = doc(1, "nodes (single-process placement: 1)")
     n_gpus_per_node: int = doc(1, "devices per node (single-process placement: 1)")
 
@@ -219,6 +270,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

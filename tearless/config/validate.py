@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tearless.config.schema import Config
 
-ESTIMATORS_WITHOUT_CRITIC = (
+ESTIMATORS = (
+    "gae",
     "grpo",
     "rloo",
     "reinforce_plus_plus",
@@ -85,13 +86,21 @@ def validate(cfg: Config) -> None:
     _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])
     _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
-    if cfg.algorithm.adv_estimator == "gae":
-        _fail(
-            "algorithm.adv_estimator",
-            "gae needs a critic (value model), which this version does not train yet",
-            f"Use one of the critic-free estimators: {', '.join(ESTIMATORS_WITHOUT_CRITIC)}.",
-        )
-    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ESTIMATORS_WITHOUT_CRITIC)
+    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ESTIMATORS)
+    _validate_critic(cfg)
+    fg = cfg.algorithm.filter_groups
+    if fg.enable:
+        _one_of("algorithm.filter_groups.metric", fg.metric, ("score",))
+        _positive("algorithm.filter_groups.max_num_gen_batches", fg.max_num_gen_batches, allow_zero=True)
+        if n < 2:
+            _fail(
+                "algorithm.filter_groups.enable",
+                "dynamic sampling keeps groups whose scores differ, which "
+                "needs at least 2 responses per prompt",
+                "Set actor_rollout_ref.rollout.n >= 2.",
+            )
+    if data.gen_batch_size is not None:
+        _positive("data.gen_batch_size", data.gen_batch_size)
     if cfg.algorithm.adv_estimator in ("rloo", "grpo_passk", "opo") and n < 2:
         _fail(
             "actor_rollout_ref.rollout.n",
@@ -165,3 +174,41 @@ def validate(cfg: Config) -> None:
             f"must be a probability, got {cfg.task.forget_carry}",
             "Use a value in [0, 1].",
         )
+
+
+def _validate_critic(cfg: Config) -> None:
+    from tearless.algos import AGG_MODES
+    from tearless.trainers.rl import critic_enabled
+
+    c, a = cfg.critic, cfg.actor_rollout_ref.actor
+    if cfg.algorithm.adv_estimator == "gae" and c.enable is False:
+        _fail(
+            "critic.enable",
+            "algorithm.adv_estimator=gae needs the critic's values",
+            "Remove critic.enable=false or pick a critic-free estimator (grpo, rloo, …).",
+        )
+    if not critic_enabled(cfg):
+        return
+    mini = c.ppo_mini_batch_size or a.ppo_mini_batch_size
+    n = cfg.actor_rollout_ref.rollout.n
+    _positive("critic.ppo_mini_batch_size", mini)
+    if cfg.data.train_batch_size % mini:
+        _fail(
+            "critic.ppo_mini_batch_size",
+            f"data.train_batch_size × rollout.n = {cfg.data.train_batch_size * n} "
+            f"is not divisible by critic.ppo_mini_batch_size × n = {mini * n}",
+            "Make data.train_batch_size a multiple of it (both count prompts).",
+        )
+    micro = c.ppo_micro_batch_size_per_gpu
+    dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+    if micro is not None and not dynamic and (mini * n) % micro:
+        _fail(
+            "critic.ppo_micro_batch_size_per_gpu",
+            f"critic mini-batch of {mini * n} responses is not divisible by {micro}",
+            "Pick a divisor of the critic mini-batch's response count.",
+        )
+    if c.loss_agg_mode is not None:
+        _one_of("critic.loss_agg_mode", c.loss_agg_mode, list(AGG_MODES))
+    _positive("critic.cliprange_value", c.cliprange_value)
+    _positive("critic.optim.lr", c.optim.lr)
+    _one_of("critic.optim.lr_scheduler_type", c.optim.lr_scheduler_type, ("constant", "cosine"))

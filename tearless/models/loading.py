@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ DTYPES = {
 }
 
 
-def _check_dir(path: str | os.PathLike, key: str) -> Path:
+def check_model_dir(path: str | os.PathLike, key: str) -> Path:
     p = Path(path).expanduser()
     if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise FileNotFoundError(
@@ -26,6 +27,21 @@ def _check_dir(path: str | os.PathLike, key: str) -> Path:
             "downloads from a hub."
         )
     return p
+
+
+@contextmanager
+def quiet_transformers():
+    """Silence transformers' load reports and progress bars (a new value head is expected)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        hf_logging.enable_progress_bar()
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -44,7 +60,7 @@ def load_tokenizer(path: str | os.PathLike, key: str = "actor_rollout_ref.model.
     """
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(_check_dir(path, key)))
+    tok = AutoTokenizer.from_pretrained(str(check_model_dir(path, key)))
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -65,7 +81,10 @@ def load_causal_lm(
     """Load ``AutoModelForCausalLM`` from a local directory in the given dtype."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(_check_dir(path, key)), dtype=resolve_dtype(dtype))
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(check_model_dir(path, key)), dtype=resolve_dtype(dtype)
+        )
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

@@ -148,3 +148,31 @@ class HFRollout:
             log_probs=torch.stack(logps, 1).cpu(),
             truncated=~finished.cpu(),
         )
+
+
+def select_rows(out: RolloutOutput, rows: torch.Tensor) -> RolloutOutput:
+    """The rollout restricted to ``rows`` (an index tensor), in that order."""
+    return RolloutOutput(*(getattr(out, f)[rows] for f in RolloutOutput.__dataclass_fields__))
+
+
+def concat_rollouts(outs: list[RolloutOutput], pad_token_id: int) -> RolloutOutput:
+    """Stack rollouts of different widths: prompts re-padded on the left, responses on the right."""
+    if len(outs) == 1:
+        return outs[0]
+    p = max(o.prompt_ids.shape[1] for o in outs)
+    r = max(o.response_ids.shape[1] for o in outs)
+
+    def left(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (p - t.shape[1], 0), value=value)
+
+    def right(t: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, r - t.shape[1]), value=value)
+
+    return RolloutOutput(
+        prompt_ids=torch.cat([left(o.prompt_ids, pad_token_id) for o in outs]),
+        prompt_mask=torch.cat([left(o.prompt_mask, 0) for o in outs]),
+        response_ids=torch.cat([right(o.response_ids, pad_token_id) for o in outs]),
+        response_mask=torch.cat([right(o.response_mask, 0) for o in outs]),
+        log_probs=torch.cat([right(o.log_probs, 0.0) for o in outs]),
+        truncated=torch.cat([o.truncated for o in outs]),
+    )

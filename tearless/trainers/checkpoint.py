@@ -40,8 +40,13 @@ def save_checkpoint(
     tokenizer: Any,
     state: dict[str, Any],
     keep: int | None = None,
+    extra_models: dict[str, torch.nn.Module] | None = None,
 ) -> Path:
-    """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints."""
+    """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints.
+
+    ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as ``save_pretrained`` directories
+    beside ``actor/``.
+    """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / f"global_step_{step}"
@@ -51,6 +56,8 @@ def save_checkpoint(
         tmp.mkdir()
         model.save_pretrained(tmp / "actor")
         tokenizer.save_pretrained(tmp / "actor")
+        for name, extra in (extra_models or {}).items():
+            extra.save_pretrained(tmp / name)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / MARKER).write_text(str(step))
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted run

@@ -13,27 +13,37 @@ Validation, metrics, rollout samples and checkpoints happen around it in ``fit``
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from tearless.algos import compute_advantage, make_kl_controller
+from tearless.algos import compute_advantage, filter_groups, make_kl_controller
 from tearless.config import Config, to_dict
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.models.loading import load_causal_lm, load_tokenizer
+from tearless.models.value import load_value_model
 from tearless.rewards import RewardManager, load_reward_function
-from tearless.rollout.hf import HFRollout, RolloutOutput
+from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k
 from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import Actor, LogProbWorker, reward_kl
+from tearless.workers.critic import Critic, critic_value_stats, explained_variance
+
+
+def critic_enabled(cfg: Config) -> bool:
+    """A critic is trained when ``critic.enable`` says so, or (null) when the estimator is GAE."""
+    enable = cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
 
 
 def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
@@ -69,14 +79,20 @@ class RLTrainer:
         if data.val_max_samples > 0:
             val_rows = val_rows[: data.val_max_samples]
         self.val_set = PromptDataset(val_rows, self.tokenizer, source=str(val_files), **dkw)
+        # With dynamic sampling a step may draw several generation batches, so the loader's position
+        # is a count of batches consumed (checkpointed), not the step number.
+        gen_batch = (
+            data.gen_batch_size if cfg.algorithm.filter_groups.enable and data.gen_batch_size else None
+        )
         self.loader = PromptLoader(
             self.train_set,
-            data.train_batch_size,
+            gen_batch or data.train_batch_size,
             shuffle=data.shuffle,
             seed=t.seed if data.seed is None else data.seed,
         )
         self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
         self.run_dir = Path(t.default_local_dir)
+        self.batches_consumed = 0
         self.start_step, resume_dir = self._find_resume()
         self.model = load_causal_lm(
             resume_dir / "actor" if resume_dir else model_path,
@@ -101,6 +117,7 @@ class RLTrainer:
             total_steps=self.total_steps,
             log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
         )
+        self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
         eos = {self.tokenizer.eos_token_id}
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
@@ -151,6 +168,26 @@ class RLTrainer:
                 train_files, val_files = files.train_file, files.val_file
         return model_path, train_files, val_files
 
+    def _make_critic(self, model_path: str, resume_dir: Path | None) -> Critic:
+        """The value model (from the checkpoint, critic.model.path or the actor's weights) and its worker,
+        with the critic's null settings inherited from the actor's."""
+        c, a = self.cfg.critic, self.cfg.actor_rollout_ref.actor
+        path = resume_dir / "critic" if resume_dir else (c.model.path or model_path)
+        model = load_value_model(
+            path,
+            dtype=self.cfg.actor_rollout_ref.model.dtype,
+            gradient_checkpointing=c.model.enable_gradient_checkpointing,
+        ).to(self.device)
+        settings = SimpleNamespace(
+            **{f.name: getattr(c, f.name) for f in dataclasses.fields(c)},
+        )
+        for name in ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "use_dynamic_bsz"):
+            if getattr(settings, name) is None:
+                setattr(settings, name, getattr(a, name))
+        return Critic(
+            model, settings, rollout_n=self.cfg.actor_rollout_ref.rollout.n, total_steps=self.total_steps
+        )
+
     def _find_resume(self) -> tuple[int, Path | None]:
         t = self.cfg.trainer
         if t.resume_mode == "disable":
@@ -172,6 +209,10 @@ class RLTrainer:
         self.actor.scheduler.load_state_dict(state["scheduler"])
         self.actor.skipped_steps = state["skipped_steps"]
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.batches_consumed = state["batches_consumed"]
+        if self.critic is not None:
+            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.log(f"resumed from {path} at step {self.start_step}")
@@ -185,8 +226,14 @@ class RLTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
+            "batches_consumed": self.batches_consumed,
             "config": to_dict(self.cfg),
         }
+        extra = {}
+        if self.critic is not None:
+            state["critic_optimizer"] = self.critic.optimizer.state_dict()
+            state["critic_scheduler"] = self.critic.scheduler.state_dict()
+            extra["critic"] = self.critic.model
         return ckpt.save_checkpoint(
             self.run_dir,
             step,
@@ -194,6 +241,7 @@ class RLTrainer:
             tokenizer=self.tokenizer,
             state=state,
             keep=self.cfg.trainer.max_actor_ckpt_to_keep,
+            extra_models=extra,
         )
 
     # ---------------------------------------------------------------- one RL step
@@ -227,10 +275,30 @@ class RLTrainer:
         metrics["reward/failures"] = float(sum(r.error is not None for r in results))
         return scores, correct, metrics, texts
 
-    def train_step(self, prompts: list[dict], step: int) -> dict[str, float]:
-        cfg, arr, alg = self.cfg, self.cfg.actor_rollout_ref, self.cfg.algorithm
-        n, timer = arr.rollout.n, Timer()
-        with timer("step"):
+    def _next_prompts(self) -> list[dict]:
+        epoch, i = divmod(self.batches_consumed, self.loader.num_batches)
+        self.batches_consumed += 1
+        return self.loader.batch(epoch, i)
+
+    def collect(
+        self, step: int, timer: Timer
+    ) -> tuple[list[dict], RolloutOutput, list[str], torch.Tensor, torch.Tensor, dict[str, float], list[str]]:
+        """Generate and score one step's responses.
+
+        Returns (items, rollout, uids, scores, correct, reward metrics, texts), one entry per response,
+        the ``n`` responses of a prompt adjacent and sharing a uid. With
+        ``algorithm.filter_groups.enable`` (DAPO's dynamic sampling), groups whose scores are all equal
+        carry no GRPO signal and are dropped, and more prompts are drawn until
+        ``data.train_batch_size`` groups are kept or ``max_num_gen_batches`` rounds have run.
+        """
+        arr, fg = self.cfg.actor_rollout_ref, self.cfg.algorithm.filter_groups
+        n, target = arr.rollout.n, self.cfg.data.train_batch_size
+        parts: list[tuple] = []
+        kept_prompts, rounds, drawn = 0, 0, 0
+        while True:
+            prompts = self._next_prompts()
+            rounds += 1
+            drawn += len(prompts)
             with timer("gen"):
                 out = self.rollout.generate(
                     [p["input_ids"] for p in prompts],
@@ -239,12 +307,47 @@ class RLTrainer:
                     temperature=arr.rollout.temperature,
                     top_p=arr.rollout.top_p,
                     top_k=arr.rollout.top_k,
-                    generator=_step_generator(cfg.trainer.seed, step, 0),
+                    generator=_step_generator(self.cfg.trainer.seed, step, 0 if rounds == 1 else 10 + rounds),
                 )
             items = [p for p in prompts for _ in range(n)]
-            uids = [f"{step}-{i // n}" for i in range(len(items))]
+            uids = [f"{step}-{rounds}-{i // n}" for i in range(len(items))]
             with timer("reward"):
                 scores, correct, metrics, texts = self.score(items, out)
+            if not fg.enable:
+                return items, out, uids, scores, correct, metrics, texts
+            keep = filter_groups(scores, uids).nonzero().squeeze(-1)
+            keep = keep[: (target - kept_prompts) * n]
+            kept_prompts += len(keep) // n
+            parts.append((keep, items, out, uids, scores, correct, metrics, texts))
+            if kept_prompts >= target or (fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches):
+                break
+        if kept_prompts == 0:
+            raise RuntimeError(
+                f"algorithm.filter_groups: every group of {drawn} prompts had equal scores after {rounds} "
+                "generation rounds; raise algorithm.filter_groups.max_num_gen_batches or check the reward"
+            )
+        items, uids, texts, outs, score_parts, correct_parts = [], [], [], [], [], []
+        for keep, p_items, p_out, p_uids, p_scores, p_correct, _, p_texts in parts:
+            rows = keep.tolist()
+            items += [p_items[j] for j in rows]
+            uids += [p_uids[j] for j in rows]
+            texts += [p_texts[j] for j in rows]
+            outs.append(select_rows(p_out, keep))
+            score_parts.append(p_scores[keep])
+            correct_parts.append(p_correct[keep])
+        out = concat_rollouts(outs, self.tokenizer.pad_token_id)
+        scores, correct = torch.cat(score_parts), torch.cat(correct_parts)
+        metrics = dict(parts[-1][6])
+        metrics["train/num_gen_batches"] = float(rounds)
+        metrics["train/kept_prompt_ratio"] = kept_prompts / drawn
+        return items, out, uids, scores, correct, metrics, texts
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One RL step: collect → old/ref log-probs and values → advantages → critic and actor updates."""
+        cfg, alg = self.cfg, self.cfg.algorithm
+        timer = Timer()
+        with timer("step"):
+            items, out, uids, scores, correct, metrics, texts = self.collect(step, timer)
             mask = out.response_mask
             last = (mask.sum(-1) - 1).clamp(min=0)
             token_scores = torch.zeros(mask.shape, dtype=torch.float32)
@@ -258,12 +361,17 @@ class RLTrainer:
                 },
                 batch_size=[len(items)],
             )
+            n = cfg.actor_rollout_ref.rollout.n
+            prompts = items[::n]
             if not self.actor.on_policy(len(prompts)) or alg.use_kl_in_reward:
                 with timer("old_log_prob"):
                     td["old_log_prob"], _ = self.actor.compute_log_prob(td)
             if self.ref is not None:
                 with timer("ref"):
                     td["ref_log_prob"], _ = self.ref.compute_log_prob(td)
+            if self.critic is not None:
+                with timer("values"):
+                    td["values"] = self.critic.compute_values(td)
             with timer("adv"):
                 rewards = token_scores
                 if alg.use_kl_in_reward:
@@ -282,12 +390,21 @@ class RLTrainer:
                     lam=alg.lam,
                     norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
                     reward_baselines=baselines,
+                    values=td.get("values", None),
                 )
-                td["advantages"] = advantages
-            with timer("update_actor"):
-                metrics.update(
-                    self.actor.update_policy(td, generator=_step_generator(cfg.trainer.seed, step, 1))
-                )
+                td["advantages"], td["returns"] = advantages, returns
+            if self.critic is not None:
+                with timer("update_critic"):
+                    metrics.update(
+                        self.critic.update_critic(td, generator=_step_generator(cfg.trainer.seed, step, 2))
+                    )
+                metrics["critic/vf_explained_var"] = explained_variance(td["values"], returns, mask)
+                metrics.update(critic_value_stats(td["values"], mask))
+            if step > cfg.trainer.critic_warmup:
+                with timer("update_actor"):
+                    metrics.update(
+                        self.actor.update_policy(td, generator=_step_generator(cfg.trainer.seed, step, 1))
+                    )
         metrics.update(
             data_metrics(
                 scores=scores,
@@ -429,10 +546,9 @@ class RLTrainer:
                 )
             step = self.start_step
             while step < self.total_steps:
-                epoch, i = divmod(step, self.loader.num_batches)
-                prompts = self.loader.batch(epoch, i)
                 step += 1
-                metrics = self.train_step(prompts, step)
+                metrics = self.train_step(step)
+                epoch = (self.batches_consumed - 1) // self.loader.num_batches
                 metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
                 last = step == self.total_steps
                 if last or (t.test_freq > 0 and step % t.test_freq == 0):

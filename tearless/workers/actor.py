@@ -110,18 +110,7 @@ class Actor(LogProbWorker):
         self.cfg = cfg
         self.rollout_n = rollout_n
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas)
-        )
-        warmup = cfg.optim.lr_warmup_steps
-        if warmup < 0:
-            warmup = int(cfg.optim.lr_warmup_steps_ratio * total_steps)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lr_lambda(
-                total_steps, warmup, cfg.optim.lr_scheduler_type, cfg.optim.min_lr_ratio, cfg.optim.num_cycles
-            ),
-        )
+        self.optimizer, self.scheduler = make_optimizer(self.params, cfg.optim, total_steps)
         self.skipped_steps = 0
 
     def on_policy(self, num_prompts: int) -> bool:
@@ -168,51 +157,104 @@ class Actor(LogProbWorker):
     def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """Run the PPO epochs over ``td`` (one training step's responses); return averaged metrics."""
         cfg = self.cfg
-        self.model.train()
-        rows = td.batch_size[0]
-        mini_rows = cfg.ppo_mini_batch_size * self.rollout_n
-        use_detached_old = self.on_policy(rows // self.rollout_n)
-        sums: dict[str, float] = defaultdict(float)
-        steps = 0
-        for _ in range(cfg.ppo_epochs):
-            order = torch.randperm(rows, generator=generator) if cfg.shuffle else torch.arange(rows)
-            for start in range(0, rows, mini_rows):
-                mini = td[order[start : start + mini_rows]]
-                mask = mini["response_mask"]
-                norm = {
-                    "global_num_tokens": mask.sum().clamp(min=1),
-                    "global_num_seqs": (mask.sum(-1) > 0).sum().clamp(min=1),
-                    "loss_scale_factor": float(mask.shape[1]),
-                }
-                self.optimizer.zero_grad(set_to_none=True)
-                step_metrics: dict[str, float] = defaultdict(float)
-                for mb in micro_batches(
-                    mini,
-                    size=None if cfg.use_dynamic_bsz else cfg.ppo_micro_batch_size_per_gpu,
-                    token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-                ):
-                    loss, metrics = self._micro_loss(mb, norm, use_detached_old)
-                    loss.backward()
-                    for k, v in metrics.items():
-                        step_metrics[k] += float(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
-                if torch.isfinite(grad_norm):
-                    self.optimizer.step()
-                else:
-                    self.skipped_steps += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                step_metrics["actor/grad_norm"] = float(grad_norm)
-                for k, v in step_metrics.items():
-                    sums[k] += v
-                steps += 1
-        self.scheduler.step()
-        out = {k: v / steps for k, v in sums.items()}
-        out["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        out["actor/skipped_steps"] = float(self.skipped_steps)
-        out["actor/num_optimizer_steps"] = float(steps)
+        use_detached_old = self.on_policy(td.batch_size[0] // self.rollout_n)
+        out, self.skipped_steps = run_updates(
+            self.model,
+            td,
+            lambda mb, norm: self._micro_loss(mb, norm, use_detached_old),
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            params=self.params,
+            grad_clip=cfg.grad_clip,
+            rows_per_mini=cfg.ppo_mini_batch_size * self.rollout_n,
+            epochs=cfg.ppo_epochs,
+            shuffle=cfg.shuffle,
+            generator=generator,
+            micro_size=cfg.ppo_micro_batch_size_per_gpu,
+            token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            prefix="actor",
+            skipped=self.skipped_steps,
+        )
         if cfg.use_kl_loss:
             out["actor/kl_coef"] = cfg.kl_loss_coef
         return out
+
+
+def run_updates(
+    model: torch.nn.Module,
+    td: TensorDict,
+    micro_loss,
+    *,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    params: list[torch.nn.Parameter],
+    grad_clip: float,
+    rows_per_mini: int,
+    epochs: int,
+    shuffle: bool,
+    generator: torch.Generator | None,
+    micro_size: int | None,
+    token_budget: int | None,
+    prefix: str,
+    skipped: int,
+) -> tuple[dict[str, float], int]:
+    """veRL's update schedule, shared by actor and critic: ``epochs`` passes over mini-batches of
+    ``rows_per_mini`` rows, each split into micro-batches whose losses ``micro_loss(mb, norm)`` are
+    normalised by the mini-batch's global token and sequence counts (``norm``) and accumulated; one
+    clipped optimizer step per mini-batch, skipped (and counted) when the gradient norm is not finite.
+    The scheduler steps once per call. Returns the metrics averaged over optimizer steps and the
+    updated count of skipped steps.
+    """
+    model.train()
+    rows = td.batch_size[0]
+    sums: dict[str, float] = defaultdict(float)
+    steps = 0
+    for _ in range(epochs):
+        order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
+        for start in range(0, rows, rows_per_mini):
+            mini = td[order[start : start + rows_per_mini]]
+            mask = mini["response_mask"]
+            norm = {
+                "global_num_tokens": mask.sum().clamp(min=1),
+                "global_num_seqs": (mask.sum(-1) > 0).sum().clamp(min=1),
+                "loss_scale_factor": float(mask.shape[1]),
+            }
+            optimizer.zero_grad(set_to_none=True)
+            for mb in micro_batches(
+                mini, size=None if token_budget else micro_size, token_budget=token_budget
+            ):
+                loss, metrics = micro_loss(mb, norm)
+                loss.backward()
+                for k, v in metrics.items():
+                    sums[k] += float(v)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            if torch.isfinite(grad_norm):
+                optimizer.step()
+            else:
+                skipped += 1
+                optimizer.zero_grad(set_to_none=True)
+            sums[f"{prefix}/grad_norm"] += float(grad_norm)
+            steps += 1
+    scheduler.step()
+    out = {k: v / steps for k, v in sums.items()}
+    out[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
+    out[f"{prefix}/skipped_steps"] = float(skipped)
+    out[f"{prefix}/num_optimizer_steps"] = float(steps)
+    return out, skipped
+
+
+def make_optimizer(params: list[torch.nn.Parameter], optim_cfg, total_steps: int):
+    """AdamW and its warm-up + constant/cosine schedule from an ``optim`` config section."""
+    optimizer = torch.optim.AdamW(
+        params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay, betas=tuple(optim_cfg.betas)
+    )
+    warmup = optim_cfg.lr_warmup_steps
+    if warmup < 0:
+        warmup = int(optim_cfg.lr_warmup_steps_ratio * total_steps)
+    schedule = lr_lambda(
+        total_steps, warmup, optim_cfg.lr_scheduler_type, optim_cfg.min_lr_ratio, optim_cfg.num_cycles
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def reward_kl(old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, kind: str) -> tuple:

@@ -1,0 +1,61 @@
+"""The value model of PPO's critic: a causal-LM backbone with a scalar head on every position.
+
+It is ``AutoModelForTokenClassification`` with one label, loaded from a causal-LM directory (the
+backbone's weights are reused, the head is new), so it saves as a normal ``save_pretrained``
+directory. The head starts at zero: the first values are 0 and GAE's first advantages are the plain
+Monte-Carlo returns, rather than noise from a random head.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tearless.models.loading import check_model_dir, quiet_transformers, resolve_dtype
+from tearless.models.logprobs import sequence_inputs
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    key: str = "critic.model.path",
+) -> torch.nn.Module:
+    """A one-label token-classification model from ``path``; the head is zeroed if it is new."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    path = check_model_dir(path, key)
+    config = AutoConfig.from_pretrained(str(path))
+    is_value_model = config.architectures and any("TokenClassification" in a for a in config.architectures)
+    with quiet_transformers():
+        model = AutoModelForTokenClassification.from_pretrained(
+            str(path), num_labels=1, dtype=resolve_dtype(dtype)
+        )
+    if not is_value_model:
+        head = model.score if hasattr(model, "score") else model.classifier  # Llama/Qwen vs BERT-style names
+        torch.nn.init.zeros_(head.weight)
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def response_values(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """V(s_t) for each response token, (B, R): the value of the state before the token is generated,
+    read at the position that predicts it (the same shift as the log-probs)."""
+    device = next(model.parameters()).device
+    ids, mask, positions = (
+        t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    )
+    width = response_ids.shape[1]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.squeeze(-1)
+    return out[:, -width - 1 : -1].float()

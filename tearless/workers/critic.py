@@ -1,0 +1,108 @@
+"""The critic worker: values for GAE and the clipped value-loss update.
+
+``compute_values`` runs before advantages (the values V(s_t) of the rollout-time critic); the
+update regresses the critic on the GAE returns with :func:`tearless.algos.value_loss`, on the same
+epochs × mini-batches × micro-batches schedule as the actor (:func:`run_updates`).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from tearless.algos import value_loss
+from tearless.models.value import response_values
+from tearless.workers.actor import make_optimizer, micro_batches, run_updates
+
+
+class Critic:
+    """A value model with its own AdamW, trained on ``returns`` with value clipping.
+
+    ``settings`` are the critic section with every null (inherit-from-actor) field already resolved:
+    ``ppo_mini_batch_size`` (prompts), ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``,
+    ``ppo_max_token_len_per_gpu``, ``ppo_epochs``, ``shuffle``, ``cliprange_value``, ``loss_agg_mode``,
+    ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
+    """
+
+    def __init__(self, model: torch.nn.Module, settings, *, rollout_n: int, total_steps: int) -> None:
+        self.model = model
+        self.s = settings
+        self.rollout_n = rollout_n
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = make_optimizer(self.params, settings.optim, total_steps)
+        self.skipped_steps = 0
+
+    @torch.no_grad()
+    def compute_values(self, td: TensorDict) -> torch.Tensor:
+        """(B, R) values of ``td``'s response positions, zero where the mask is 0."""
+        was_training = self.model.training
+        self.model.eval()
+        outs = []
+        for mb in micro_batches(td, size=self.s.forward_micro_batch_size_per_gpu):
+            values = response_values(
+                self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"]
+            )
+            outs.append(values.cpu() * mb["response_mask"])
+        self.model.train(was_training)
+        return torch.cat(outs)
+
+    def _micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
+        vpreds = response_values(
+            self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"]
+        )
+        device = vpreds.device
+        mask = mb["response_mask"].to(device)
+        loss, metrics = value_loss(
+            vpreds,
+            mb["values"].to(device),
+            mb["returns"].to(device),
+            mask,
+            self.s.cliprange_value,
+            loss_agg_mode=self.s.loss_agg_mode,
+            **norm,
+        )
+        share = mask.sum() / norm["global_num_tokens"]
+        out = {"critic/vf_loss": loss.detach()}
+        out.update({f"critic/{k}": v.detach() * share for k, v in metrics.items()})
+        return loss, out
+
+    def update_critic(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
+        """Critic epochs over ``td`` (needs ``values`` and ``returns``); averaged metrics."""
+        s = self.s
+        out, self.skipped_steps = run_updates(
+            self.model,
+            td,
+            self._micro_loss,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            params=self.params,
+            grad_clip=s.grad_clip,
+            rows_per_mini=s.ppo_mini_batch_size * self.rollout_n,
+            epochs=s.ppo_epochs,
+            shuffle=s.shuffle,
+            generator=generator,
+            micro_size=s.ppo_micro_batch_size_per_gpu,
+            token_budget=s.ppo_max_token_len_per_gpu if s.use_dynamic_bsz else None,
+            prefix="critic",
+            skipped=self.skipped_steps,
+        )
+        return out
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 − Var(G − V) / Var(G) over valid tokens: 1 is a perfect critic, 0 no better than a constant."""
+    m = mask.bool()
+    g, v = returns[m].double(), values[m].double()
+    if g.numel() < 2:
+        return 0.0
+    return float(1.0 - (g - v).var() / (g.var() + 1e-5))
+
+
+def critic_value_stats(values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """``critic/values/{mean,max,min}`` over valid tokens (the rollout-time values)."""
+    v = values[mask.bool()].float()
+    return {
+        "critic/values/mean": float(v.mean()),
+        "critic/values/max": float(v.max()),
+        "critic/values/min": float(v.min()),
+    }
