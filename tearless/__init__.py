@@ -16,20 +16,22 @@ def train(
     config: Any = None,
     overrides: Iterable[str] = (),
     *,
+    preset: str | None = None,
     reward_fn: Callable[..., Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run RL training and return its summary (run directory, validation before and after).
 
     ``config`` is a :class:`tearless.config.Config`, a nested dict or a YAML path; ``overrides`` are
-    dotted ``key=value`` strings applied last. ``reward_fn`` is a Python callable with veRL's
+    dotted ``key=value`` strings applied last; ``preset`` (``grpo``, ``ppo``, ``dapo``, …) is merged
+    before both. ``reward_fn`` is a Python callable with veRL's
     signature ``(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`` that
     replaces the built-in scorers (it runs in forked worker processes, so closures work).
     """
     from tearless.config import load_config
     from tearless.trainers.rl import RLTrainer
 
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, preset=preset)
     return RLTrainer(cfg, reward_fn=reward_fn, log=log).fit()
 
 

@@ -21,6 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
     train.add_argument(
+        "--preset",
+        help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
+        "reinforce_pp, remax, gspo (files in tearless/config/presets/)",
+    )
+    train.add_argument(
         "--fresh", action="store_true", help="rebuild the embedded task's cached data and model"
     )
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, veRL style")
@@ -39,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "fresh", False):
         overrides.append("task.fresh=true")
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(args.config, overrides, preset=getattr(args, "preset", None))
     except ConfigError as e:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2

@@ -60,11 +60,33 @@ def _dotlist(overrides: Iterable[str]) -> list[str]:
     return items
 
 
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def presets() -> list[str]:
+    """Names of the algorithm presets shipped with tearless (``tearless train --preset NAME``)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The YAML file of preset ``name``; a clear error lists the presets if there is no such one."""
+    path = PRESETS_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(presets())}")
+    return path
+
+
 def load_config(
-    config: Any = None, overrides: Iterable[str] = (), *, validate_config: bool = True, schema: type = Config
+    config: Any = None,
+    overrides: Iterable[str] = (),
+    *,
+    preset: str | None = None,
+    validate_config: bool = True,
+    schema: type = Config,
 ) -> Any:
     """Merge the defaults with ``config`` (a :class:`Config`, a dict, or a YAML path) and ``overrides``.
 
+    ``preset`` (a name from :func:`presets`) is merged first, then ``config``, then ``overrides``.
     ``schema`` is the dataclass of the command's config (the RL trainer's :class:`Config` by default;
     other trainers pass theirs). A schema with a ``validate()`` method has it called after merging.
 
@@ -73,6 +95,8 @@ def load_config(
     """
     merged = OmegaConf.structured(schema)
     layers: list[tuple[Any, str]] = []
+    if preset is not None:
+        layers.append((OmegaConf.load(preset_path(preset)), f"preset {preset!r}"))
     if isinstance(config, schema):
         layers.append((OmegaConf.structured(config), f"the {schema.__name__} object"))
     elif isinstance(config, Mapping):
