@@ -24,8 +24,13 @@ import time
 def run_once(cache: str, run_dir: str) -> tuple[float, dict[str, float]]:
     env = {**os.environ, "TEARLESS_CACHE": cache}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "tearless.cli", "train", f"trainer.default_local_dir={run_dir}"],
-                          env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tearless.cli", "train", f"trainer.default_local_dir={run_dir}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     seconds = time.perf_counter() - start
     accs = {}
     for line in proc.stdout.splitlines():
@@ -48,10 +53,12 @@ def main() -> None:
             results.append(accs)
             seconds, _ = run_once(cache, os.path.join(tmp, f"run{r}b"))
             warm.append(seconds)
-            print(f"repeat {r}: fresh cache {cold[-1]:.1f} s, warm cache {warm[-1]:.1f} s, {accs}", flush=True)
+            print(
+                f"repeat {r}: fresh cache {cold[-1]:.1f} s, warm cache {warm[-1]:.1f} s, {accs}", flush=True
+            )
     greedy = [a["val-core/arithmetic/acc/greedy"] for a in results]
     report = {
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "fresh_cache_seconds_median": round(statistics.median(cold), 1),
         "warm_cache_seconds_median": round(statistics.median(warm), 1),
         "greedy_before_after": greedy,

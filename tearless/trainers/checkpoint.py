@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from tearless.models.loading import quiet_transformers
+
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -54,10 +56,11 @@ def save_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        model.save_pretrained(tmp / "actor")
-        tokenizer.save_pretrained(tmp / "actor")
-        for name, extra in (extra_models or {}).items():
-            extra.save_pretrained(tmp / name)
+        with quiet_transformers():
+            model.save_pretrained(tmp / "actor")
+            tokenizer.save_pretrained(tmp / "actor")
+            for name, extra in (extra_models or {}).items():
+                extra.save_pretrained(tmp / name)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / MARKER).write_text(str(step))
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted run
