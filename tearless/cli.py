@@ -33,11 +33,25 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("action", choices=["show"], help="show: print every key, its value and its doc")
     show.add_argument("--config", help="YAML file merged over the defaults")
     show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    _add_data_parser(sub)
+    _add_offline_parsers(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before and after options (``train a=1 --preset dapo b=2``); argparse leaves
+    # the later ones unparsed, so they are collected here.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    if args.command == "data":
+        return _data(args)
+    if args.command in ("sft", "dpo"):
+        return _offline(args)
     from tearless.config import ConfigError, describe, load_config
 
     overrides = list(args.overrides)
@@ -72,6 +86,134 @@ def format_summary(summary: dict) -> str:
     lines.append(
         f"run directory: {summary['run_dir']} ({summary.get('steps', 0)} steps, "
         f"{summary.get('seconds', 0):.0f} s)"
+    )
+    return "\n".join(lines)
+
+
+def _add_data_parser(sub: argparse._SubParsersAction) -> None:
+    data = sub.add_parser("data", help="prepare, generate and inspect datasets")
+    actions = data.add_subparsers(dest="data_command", required=True)
+    prepare = actions.add_parser("prepare", help="convert a local GSM8K or MATH copy to veRL parquet")
+    prepare.add_argument("name", choices=["gsm8k", "math"])
+    prepare.add_argument("--input", required=True, help="a data file, or a directory searched recursively")
+    prepare.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
+    prepare.add_argument("--split", choices=["train", "test"], help="split of inputs whose path says neither")
+    make = actions.add_parser("make", help="write an embedded task's train and test parquet files")
+    make.add_argument("task", choices=["arithmetic", "countdown", "knights_knaves"])
+    make.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
+    make.add_argument("--num-train", type=int, default=1000, help="training problems (default 1000)")
+    make.add_argument("--num-test", type=int, default=100, help="test problems (default 100)")
+    make.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    make.add_argument("--num-people", type=int, help="knights_knaves: inhabitants per puzzle (default 3)")
+    inspect = actions.add_parser("inspect", help="schema, rows and problems of a dataset file")
+    inspect.add_argument("file", help="a .parquet, .jsonl or .json file")
+    inspect.add_argument("--tokenizer", help="tokenizer directory: report prompt lengths in tokens")
+    inspect.add_argument("--max-prompt-length", type=int, help="flag prompts longer than this (tokens)")
+    inspect.add_argument("--rows", type=int, default=3, help="rows to print (default 3)")
+
+
+def _data(args: argparse.Namespace) -> int:
+    """``tearless data …``: exit 0, or 1 when inspect finds problems, or 2 on bad input."""
+    from tearless.data.rows import DataError
+
+    try:
+        if args.data_command == "prepare":
+            from tearless.data.prepare import prepare
+
+            summary = prepare(args.name, args.input, args.output, split=args.split)
+            for split, path in summary["files"].items():
+                skipped = summary["skipped"][split]
+                note = f" ({skipped} skipped: no answer)" if skipped else ""
+                print(f"{path}: {summary['rows'][split]} rows{note}")
+            return 0
+        if args.data_command == "make":
+            from tearless.data.make import make_task
+
+            paths = make_task(
+                args.task,
+                args.output,
+                num_train=args.num_train,
+                num_test=args.num_test,
+                seed=args.seed,
+                num_people=args.num_people,
+            )
+            for split, path in paths.items():
+                print(f"{path}: {args.num_train if split == 'train' else args.num_test} rows")
+            return 0
+        from tearless.data.inspection import inspect_file
+
+        tokenizer = None
+        if args.tokenizer:
+            from tearless.models.loading import load_tokenizer
+
+            tokenizer = load_tokenizer(args.tokenizer, key="--tokenizer")
+        report = inspect_file(
+            args.file, tokenizer=tokenizer, max_prompt_length=args.max_prompt_length, num_rows=args.rows
+        )
+        print(report.text)
+        return 1 if report.problems else 0
+    except (DataError, FileNotFoundError) as e:
+        print(f"tearless: data error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_offline_parsers(sub: argparse._SubParsersAction) -> None:
+    helps = {
+        "sft": "supervised fine-tuning, loss on assistant tokens (default: the embedded task's warm-up)",
+        "dpo": "offline DPO on preference pairs (default: pairs from the embedded task's warm-up model)",
+    }
+    for name, text in helps.items():
+        cmd = sub.add_parser(name, help=text, add_help=False)
+        cmd.add_argument(
+            "-h", "--help", action="store_true", help="print the resolved config with each key's doc"
+        )
+        cmd.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
+        if name == "dpo":
+            cmd.add_argument(
+                "--fresh", action="store_true", help="rebuild the embedded task and its preference pairs"
+            )
+        cmd.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+
+def _offline(args: argparse.Namespace) -> int:
+    """``tearless sft`` / ``tearless dpo``: train, print held-out metrics before/after; exit 2 on a
+    config error."""
+    from tearless.config import ConfigError, describe, load_config
+
+    if args.command == "sft":
+        from tearless.config.sft import SFTConfig as schema
+    else:
+        from tearless.config.dpo import DPOConfig as schema
+    overrides = [*args.overrides, *(["task.fresh=true"] if getattr(args, "fresh", False) else [])]
+    try:
+        cfg = load_config(args.config, overrides, schema=schema)
+    except ConfigError as e:
+        print(f"tearless: config error: {e}", file=sys.stderr)
+        return 2
+    if args.help:
+        print(describe(cfg))
+        return 0
+    if args.command == "sft":
+        from tearless.trainers.sft import SFTTrainer as trainer
+    else:
+        from tearless.trainers.dpo import DPOTrainer as trainer
+    summary = trainer(cfg).fit()
+    print(format_offline_summary(summary))
+    return 0
+
+
+def format_offline_summary(summary: dict) -> str:
+    """Every held-out metric before vs after, and where the run and its last checkpoint live."""
+    before, after = summary.get("before", {}), summary.get("after", {})
+    lines = []
+    for key in sorted(set(before) | set(after)):
+        b, a = before.get(key), after.get(key)
+        fb = "-" if b is None else f"{b:.4f}"
+        fa = "-" if a is None else f"{a:.4f}"
+        lines.append(f"{key:<40} before {fb}  after {fa}")
+    lines.append(
+        f"run directory: {summary['run_dir']} ({summary.get('steps', 0)} steps, "
+        f"{summary.get('seconds', 0):.0f} s); checkpoint: {summary.get('checkpoint', '-')}"
     )
     return "\n".join(lines)
 

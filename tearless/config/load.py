@@ -26,8 +26,10 @@ class ConfigError(ValueError):
 def _all_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        sub = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        # A section is a field whose factory makes a dataclass (a class, or a lambda with other defaults).
+        sub = factory if isinstance(factory, type) else type(factory()) if factory else None
+        if sub is not None and dataclasses.is_dataclass(sub):
             yield from _all_keys(sub, key + ".")
         else:
             yield key, f

@@ -31,26 +31,26 @@ class DataConfig:
     prompt_key: str = doc("prompt", "column holding the chat messages")
     max_prompt_length: int = doc(64, "prompts longer than this (in tokens) are handled by data.truncation")
     max_response_length: int = doc(16, "cap on generated tokens per response (veRL: rollout.response_length)")
-    gen_batch_size: Any = doc(
+    gen_batch_size: int | None = doc(
         None, "prompts per generation round with algorithm.filter_groups; null = data.train_batch_size"
     )
     train_batch_size: int = doc(16, "prompts per RL step (each sampled actor_rollout_ref.rollout.n times)")
-    val_batch_size: Any = doc(None, "prompts per validation generation call; null = all at once")
+    val_batch_size: int | None = doc(None, "prompts per validation generation call; null = all at once")
     truncation: str = doc(
         "error", "overlong prompts: error | left (keep the end) | right (keep the start) | middle"
     )
     filter_overlong_prompts: bool = doc(False, "drop prompts longer than max_prompt_length instead")
     shuffle: bool = doc(True, "shuffle training prompts each epoch (seeded by data.seed)")
-    seed: Any = doc(None, "shuffle seed; null = trainer.seed")
+    seed: int | None = doc(None, "shuffle seed; null = trainer.seed")
     val_max_samples: int = doc(-1, "use at most this many validation prompts (-1 = all)")
 
 
 @dataclass
 class ModelConfig:
-    path: Any = doc(
+    path: str | None = doc(
         None, "local Hugging Face model directory; null = the embedded task's warmed-up tiny model"
     )
-    tokenizer_path: Any = doc(None, "tokenizer directory; null = model.path")
+    tokenizer_path: str | None = doc(None, "tokenizer directory; null = model.path")
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
     dtype: str = doc("float32", "parameter dtype: float32 | bfloat16 | float16 (fp32 on CPU)")
 
@@ -75,7 +75,7 @@ class PolicyLossConfig:
 @dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = doc(16, "prompts per optimizer step (× rollout.n responses)")
-    ppo_micro_batch_size_per_gpu: Any = doc(
+    ppo_micro_batch_size_per_gpu: int | None = doc(
         None, "responses per forward/backward; null = the whole mini-batch"
     )
     use_dynamic_bsz: bool = doc(False, "pack micro-batches by token budget instead of by count")
@@ -83,8 +83,8 @@ class ActorConfig:
     ppo_epochs: int = doc(1, "passes over each step's rollouts")
     shuffle: bool = doc(False, "shuffle responses between PPO epochs")
     clip_ratio: float = doc(0.2, "PPO clip ε (used for low and high unless they are set)")
-    clip_ratio_low: Any = doc(None, "lower clip ε_low; null = clip_ratio")
-    clip_ratio_high: Any = doc(None, "upper clip ε_high (DAPO clip-higher); null = clip_ratio")
+    clip_ratio_low: float | None = doc(None, "lower clip ε_low; null = clip_ratio")
+    clip_ratio_high: float | None = doc(None, "upper clip ε_high (DAPO clip-higher); null = clip_ratio")
     clip_ratio_c: float = doc(3.0, "dual-clip constant c (> 1) for negative advantages")
     loss_agg_mode: str = doc(
         "token-mean",
@@ -117,14 +117,16 @@ class RolloutConfig:
     temperature: float = doc(1.0, "sampling temperature (> 0)")
     top_p: float = doc(1.0, "nucleus sampling mass")
     top_k: int = doc(-1, "top-k sampling (-1 = off)")
-    response_length: Any = doc(None, "max new tokens; null = data.max_response_length")
-    log_prob_micro_batch_size_per_gpu: Any = doc(None, "rows per log-prob forward; null = all at once")
+    response_length: int | None = doc(None, "max new tokens; null = data.max_response_length")
+    log_prob_micro_batch_size_per_gpu: int | None = doc(None, "rows per log-prob forward; null = all at once")
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: Any = doc(None, "rows per reference forward; null = all at once")
+    log_prob_micro_batch_size_per_gpu: int | None = doc(
+        None, "rows per reference forward; null = all at once"
+    )
 
 
 @dataclass
@@ -137,10 +139,10 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class CriticModelConfig:
-    path: Any = doc(
+    path: str | None = doc(
         None, "value model's initial weights (a causal-LM directory); null = the actor's model path"
     )
-    tokenizer_path: Any = doc(
+    tokenizer_path: str | None = doc(
         None, "unused by tearless (the actor's tokenizer is used); accepted for veRL configs"
     )
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
@@ -148,21 +150,21 @@ class CriticModelConfig:
 
 @dataclass
 class CriticConfig:
-    enable: Any = doc(None, "train a value model; null = only when algorithm.adv_estimator=gae")
+    enable: bool | None = doc(None, "train a value model; null = only when algorithm.adv_estimator=gae")
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     # veRL's critic lr default is 1e-5; 1e-3 suits the embedded tiny model.
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
-    ppo_mini_batch_size: Any = doc(None, "prompts per critic optimizer step; null = the actor's")
-    ppo_micro_batch_size_per_gpu: Any = doc(
+    ppo_mini_batch_size: int | None = doc(None, "prompts per critic optimizer step; null = the actor's")
+    ppo_micro_batch_size_per_gpu: int | None = doc(
         None, "responses per critic forward/backward; null = the mini-batch"
     )
-    use_dynamic_bsz: Any = doc(None, "micro-batches by token budget; null = the actor's setting")
+    use_dynamic_bsz: bool | None = doc(None, "micro-batches by token budget; null = the actor's setting")
     ppo_max_token_len_per_gpu: int = doc(16384, "token budget of one critic micro-batch when use_dynamic_bsz")
-    forward_micro_batch_size_per_gpu: Any = doc(None, "rows per value forward; null = all at once")
-    ppo_epochs: Any = doc(None, "critic passes over each step's rollouts; null = the actor's")
+    forward_micro_batch_size_per_gpu: int | None = doc(None, "rows per value forward; null = all at once")
+    ppo_epochs: int | None = doc(None, "critic passes over each step's rollouts; null = the actor's")
     shuffle: bool = doc(False, "shuffle responses between critic epochs")
     cliprange_value: float = doc(0.5, "value clipping range around the rollout-time values")
-    loss_agg_mode: Any = doc(None, "critic loss aggregation; null = the actor's")
+    loss_agg_mode: str | None = doc(None, "critic loss aggregation; null = the actor's")
     grad_clip: float = doc(1.0, "max global gradient norm of the critic")
 
 
@@ -206,8 +208,37 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RewardModelPathConfig:
+    path: str | None = doc(
+        None, "local directory of a Hugging Face sequence-classification reward model (num_labels=1)"
+    )
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = doc(False, "DAPO overlong soft penalty (needs reward_model.reward_manager=dapo)")
+    len: int = doc(0, "buffer B in tokens: the penalty ramps from 0 at max_response_length - B")
+    penalty_factor: float = doc(1.0, "penalty at max_response_length (DAPO: 1.0)")
+    log: bool = doc(False, "log each sample's overlong_reward and overlong flag as reward extras")
+
+
+@dataclass
 class RewardModelConfig:
-    enable: bool = doc(False, "score with a reward model (not available in this version)")
+    enable: bool = doc(
+        False, "score with the reward model at reward_model.model.path (plus rule_weight × rule score)"
+    )
+    reward_manager: str = doc(
+        "prime",
+        "naive (in-process, per sample) | batch (one call with lists) | prime (worker pool with "
+        "per-sample timeouts) | dapo (prime + overlong_buffer penalty)",
+    )
+    model: RewardModelPathConfig = field(default_factory=RewardModelPathConfig)
+    micro_batch_size_per_gpu: int | None = doc(None, "pairs per reward-model forward; null = all at once")
+    max_length: int | None = doc(None, "reward-model input cap in tokens (keeps the end); null = no cap")
+    rule_weight: float = doc(
+        0.0, "with enable: weight of the rule score added to the model score (0 = model only, as veRL)"
+    )
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     num_workers: int = doc(2, "reward scoring processes (0 = score in the trainer process, no timeout)")
     timeout_s: float = doc(30.0, "per-sample scoring timeout in seconds")
     failure_score: float = doc(0.0, "score given to a sample whose scorer raised or timed out")
@@ -215,7 +246,7 @@ class RewardModelConfig:
 
 @dataclass
 class CustomRewardConfig:
-    path: Any = doc(
+    path: str | None = doc(
         None,
         "Python file defining compute_score(data_source, solution_str, ground_truth, "
         "extra_info=None); null = built-in scorers by data_source",
@@ -227,7 +258,9 @@ class CustomRewardConfig:
 @dataclass
 class TrainerConfig:
     total_epochs: int = doc(1, "passes over the training prompts")
-    total_training_steps: Any = doc(None, "stop after this many steps; null = epochs × batches per epoch")
+    total_training_steps: int | None = doc(
+        None, "stop after this many steps; null = epochs × batches per epoch"
+    )
     project_name: str = doc("tearless", "project name (run directory and loggers)")
     experiment_name: str = doc("default", "experiment name (run directory and loggers)")
     logger: list = doc(["console", "jsonl"], "loggers: console | jsonl | tensorboard | wandb")
@@ -240,8 +273,8 @@ class TrainerConfig:
     val_before_train: bool = doc(True, "validate before the first step")
     val_only: bool = doc(False, "validate and stop")
     resume_mode: str = doc("auto", "auto (latest complete checkpoint) | disable | resume_path")
-    resume_from_path: Any = doc(None, "a global_step_N directory, with resume_mode=resume_path")
-    max_actor_ckpt_to_keep: Any = doc(None, "keep only the newest N checkpoints; null = all")
+    resume_from_path: str | None = doc(None, "a global_step_N directory, with resume_mode=resume_path")
+    max_actor_ckpt_to_keep: int | None = doc(None, "keep only the newest N checkpoints; null = all")
     seed: int = doc(1, "seed of every random choice (sampling, shuffling, initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
@@ -255,7 +288,7 @@ class TrainerConfig:
 @dataclass
 class TaskConfig:
     name: str = doc("arithmetic", "embedded task used when data/model paths are null: arithmetic")
-    cache_dir: Any = doc(
+    cache_dir: str | None = doc(
         None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"
     )
     num_train: int = doc(2000, "generated training prompts")

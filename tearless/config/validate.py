@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tearless.config.schema import Config
 
 ESTIMATORS = (
@@ -29,6 +31,8 @@ def _one_of(key: str, value: object, valid: tuple | list) -> None:
 
 
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if not isinstance(value, (int, float)):
+        _fail(key, f"must be a number, got {value!r}", "Set a number.")
     if value < 0 or (value == 0 and not allow_zero):
         _fail(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}", "Set a positive value.")
 
@@ -53,6 +57,22 @@ def validate(cfg: Config) -> None:
     ]:
         _positive(key, value)
     _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
+    for key, value in [
+        ("trainer.total_training_steps", cfg.trainer.total_training_steps),
+        ("data.val_batch_size", data.val_batch_size),
+        ("actor_rollout_ref.rollout.response_length", rollout.response_length),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+            rollout.log_prob_micro_batch_size_per_gpu,
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+            cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu,
+        ),
+        ("trainer.max_actor_ckpt_to_keep", cfg.trainer.max_actor_ckpt_to_keep),
+    ]:
+        if value is not None:
+            _positive(key, value)
     if data.train_batch_size < actor.ppo_mini_batch_size or data.train_batch_size % actor.ppo_mini_batch_size:
         _fail(
             "actor_rollout_ref.actor.ppo_mini_batch_size",
@@ -149,12 +169,19 @@ def validate(cfg: Config) -> None:
     _one_of("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
-    if cfg.reward_model.enable:
+    crf = cfg.custom_reward_function
+    if crf.path is not None and not os.path.isfile(crf.path):
         _fail(
-            "reward_model.enable",
-            "model-based reward scoring is not available in this version",
-            "Use rule-based scorers or custom_reward_function.path.",
+            "custom_reward_function.path",
+            f"{crf.path!r} is not a file",
+            "Point it at a Python file that "
+            f"defines {crf.name}(data_source, solution_str, ground_truth, extra_info=None).",
         )
+    from tearless.rewards.managers import reward_config_problems
+
+    response_length = cfg.actor_rollout_ref.rollout.response_length or data.max_response_length
+    for key, problem, fix in reward_config_problems(cfg.reward_model, response_length):
+        _fail(key, problem, fix)
     if cfg.trainer.nnodes != 1 or cfg.trainer.n_gpus_per_node != 1:
         _fail(
             "trainer.n_gpus_per_node",

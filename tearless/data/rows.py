@@ -39,20 +39,7 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
     single JSON array of objects is read as well. Each row is checked with :func:`normalize_row`.
     """
     path = Path(path)
-    if not path.is_file():
-        hint = " (it is a directory: give the file inside it)" if path.is_dir() else ""
-        raise DataError(
-            f"data file {str(path)!r} does not exist{hint}; check data.train_files / data.val_files"
-        )
-    suffix = path.suffix.lower()
-    if suffix in PARQUET_SUFFIXES:
-        raw, lines = _read_parquet(path), None
-    elif suffix in JSON_SUFFIXES:
-        raw, lines = _read_json(path)
-    else:
-        raise DataError(
-            f"{path}: unknown file type {suffix!r}; use one of {', '.join(PARQUET_SUFFIXES + JSON_SUFFIXES)}"
-        )
+    raw, lines = read_raw_rows(path)
     if not raw:
         raise DataError(f"{path} has no rows")
     rows = []
@@ -60,6 +47,28 @@ def load_rows(path: str | os.PathLike) -> list[dict]:
         where = f"{path}: row {i}" + (f" (line {lines[i]})" if lines else "")
         rows.append(normalize_row(row, where=where))
     return rows
+
+
+def read_raw_rows(path: str | os.PathLike) -> tuple[list[Any], list[int] | None]:
+    """The rows of one file as stored, unchecked, and for JSON lines each row's line number.
+
+    For tools that report every problem of a file rather than stop at the first (``tearless data
+    inspect``); :func:`load_rows` is this plus the checks.
+    """
+    path = Path(path)
+    if not path.is_file():
+        hint = " (it is a directory: give the file inside it)" if path.is_dir() else ""
+        raise DataError(
+            f"data file {str(path)!r} does not exist{hint}; check data.train_files / data.val_files"
+        )
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        return _read_parquet(path), None
+    if suffix in JSON_SUFFIXES:
+        return _read_json(path)
+    raise DataError(
+        f"{path}: unknown file type {suffix!r}; use one of {', '.join(PARQUET_SUFFIXES + JSON_SUFFIXES)}"
+    )
 
 
 def load_many(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[dict]:

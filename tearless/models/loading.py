@@ -86,6 +86,12 @@ def load_causal_lm(
             str(check_model_dir(path, key)), dtype=resolve_dtype(dtype)
         )
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
         model.config.use_cache = False
     return model
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute activations in backward (transformers 5 renamed the switch; older releases lack it)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()

@@ -12,7 +12,12 @@ import os
 
 import torch
 
-from tearless.models.loading import check_model_dir, quiet_transformers, resolve_dtype
+from tearless.models.loading import (
+    check_model_dir,
+    enable_activation_checkpointing,
+    quiet_transformers,
+    resolve_dtype,
+)
 from tearless.models.logprobs import sequence_inputs
 
 
@@ -39,7 +44,7 @@ def load_value_model(
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_activation_checkpointing(model)
     return model
 
 

@@ -21,12 +21,29 @@ ScoreFn = Callable[..., Any]
 # Built-in scorers are named "module:function" and imported on first use, so importing this module
 # costs nothing and a scorer with heavy dependencies is loaded only when a dataset needs it. To add
 # one, write its module and add its sources here.
+_MATH = "tearless.rewards.math_answer:compute_score"
+_CODE = "tearless.rewards.code_reward:compute_score"
+_KK = "tearless.tasks.knights_knaves:compute_score"
 _BUILTIN: dict[str, str] = {
     "arithmetic": "tearless.tasks.arithmetic:compute_score",
     "gsm8k": "tearless.rewards.gsm8k:compute_score",
     "openai/gsm8k": "tearless.rewards.gsm8k:compute_score",
+    "math": _MATH,
+    "lighteval/MATH": _MATH,
+    "DigitalLearningGmbH/MATH-lighteval": _MATH,
+    "HuggingFaceH4/MATH-500": _MATH,
+    "multiple_choice": "tearless.rewards.multiple_choice:compute_score",
     "exact_match": "tearless.rewards.qa_em:compute_score",
     "searchR1_*": "tearless.rewards.qa_em:compute_score",
+    "countdown": "tearless.tasks.countdown:compute_score",
+    "knights_knaves": _KK,
+    "kk_logic": _KK,  # Logic-RL's name
+    "code": _CODE,
+    # veRL's names for code datasets
+    "codecontests": _CODE,
+    "apps": _CODE,
+    "codeforces": _CODE,
+    "taco": _CODE,
 }
 _registered: dict[str, ScoreFn] = {}
 _version = 0

@@ -19,7 +19,7 @@ import torch
 
 from tearless.tasks import arithmetic
 
-VERSION = 1  # bump when the generator, model recipe or warm-up changes, so stale caches are rebuilt
+VERSION = 2  # bump when the generator, model recipe or warm-up changes, so stale caches are rebuilt
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,31 @@ def tiny_llama(
     return LlamaForCausalLM(config)
 
 
+def task_rows(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
+    """The task's training and held-out prompt rows (veRL schema); no problem is in both."""
+    val_rows = arithmetic.generate_rows(spec.num_val, seed=spec.seed * 1000 + 1, split="test")
+    held_out = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in val_rows}
+    train_rows = arithmetic.generate_rows(
+        spec.num_train, seed=spec.seed * 1000 + 2, split="train", exclude=held_out
+    )
+    return train_rows, val_rows
+
+
+def warmup_demos(rows: list[dict], *, num: int, seed: int, forget_carry: float) -> list[dict]:
+    """``num`` SFT rows: the prompt rows with a ``response`` from the flawed teacher.
+
+    The prompts are visited in passes, each in a fresh random order, and every visit draws a fresh
+    demonstration, so a prompt seen 20 times has about ``forget_carry`` of its carries dropped.
+    """
+    rng = random.Random(seed)
+    demos: list[dict] = []
+    while len(demos) < num:
+        for row in rng.sample(rows, len(rows))[: num - len(demos)]:
+            a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+            demos.append({**row, "response": arithmetic.flawed_teacher(a, b, rng, forget_carry)})
+    return demos
+
+
 def supervised_warmup(
     model: torch.nn.Module,
     tokenizer,
@@ -93,43 +118,26 @@ def supervised_warmup(
     batch_size: int = 128,
     lr: float = 3e-3,
 ) -> list[float]:
-    """Train on the flawed teacher's worked answers (loss on response tokens only); return the losses."""
-    from tearless.data import render_prompt
+    """Train on ``steps × batch_size`` flawed-teacher demonstrations (loss on assistant tokens only)
+    with the SFT trainer's step and default optimizer; return the per-step losses.
 
-    rng = random.Random(seed)
-    encoded = [
-        (render_prompt(tokenizer, r["prompt"]), r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows
-    ]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    warm = max(1, steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.05, 1 - s / steps)
-    )
+    This is exactly one epoch of ``tearless sft`` with no data arguments and the same task settings.
+    """
+    from tearless.config.sft import OfflineOptimConfig
+    from tearless.data import PromptLoader
+    from tearless.data.sft import SFTDataset
+    from tearless.trainers.offline import make_optimizer
+    from tearless.trainers.sft import collate_fn, sft_step
+
+    demos = warmup_demos(rows, num=steps * batch_size, seed=seed, forget_carry=forget_carry)
+    loader = PromptLoader(SFTDataset(demos, tokenizer), batch_size, shuffle=True, seed=seed)
+    optim = OfflineOptimConfig(lr=lr)
+    opt, sched = make_optimizer(model, optim, steps)
+    collate = collate_fn(pad_token_id=tokenizer.pad_token_id)
     losses = []
-    model.train()
-    for _ in range(steps):
-        pairs = []
-        for prompt, a, b in rng.sample(encoded, min(batch_size, len(encoded))):
-            answer = arithmetic.flawed_teacher(a, b, rng, forget_carry)
-            pairs.append(
-                (prompt, tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-            )
-        width = max(len(p) + len(r) for p, r in pairs)
-        ids = torch.full((len(pairs), width), tokenizer.pad_token_id)
-        labels = torch.full((len(pairs), width), -100)
-        mask = torch.zeros((len(pairs), width), dtype=torch.long)
-        for i, (p, r) in enumerate(pairs):
-            seq = p + r
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-            labels[i, len(p) : len(seq)] = torch.tensor(r)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+    for i in range(steps):
+        metrics = sft_step(model, loader.batch(0, i), opt, sched, collate=collate, clip_grad=optim.clip_grad)
+        losses.append(metrics["train/loss"])
     return losses
 
 
@@ -150,11 +158,7 @@ def prepare_task(
         tmp.mkdir(parents=True)
         log(f"building the embedded '{spec.name}' task in {final} (cached for later runs)")
         start = time.perf_counter()
-        val_rows = arithmetic.generate_rows(spec.num_val, seed=spec.seed * 1000 + 1, split="test")
-        held_out = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in val_rows}
-        train_rows = arithmetic.generate_rows(
-            spec.num_train, seed=spec.seed * 1000 + 2, split="train", exclude=held_out
-        )
+        train_rows, val_rows = task_rows(spec)
         write_parquet(train_rows, tmp / "train.parquet")
         write_parquet(val_rows, tmp / "test.parquet")
         tok = build_char_tokenizer()

@@ -31,7 +31,7 @@ from tearless.config import Config, to_dict
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.value import load_value_model
-from tearless.rewards import RewardManager, load_reward_function
+from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k
@@ -67,7 +67,8 @@ class RLTrainer:
         )
         model_path, train_files, val_files = self._resolve_paths()
         arr = cfg.actor_rollout_ref
-        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path)
+        tok_key = "actor_rollout_ref.model." + ("tokenizer_path" if arr.model.tokenizer_path else "path")
+        self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path, key=tok_key)
         data = cfg.data
         dkw = dict(
             max_prompt_length=data.max_prompt_length,
@@ -132,13 +133,12 @@ class RLTrainer:
         crf = cfg.custom_reward_function
         if reward_fn is None and crf.path:
             reward_fn = load_reward_function(crf.path, crf.name)
-        rm = cfg.reward_model
-        self.reward = RewardManager(
+        self.reward = make_reward_manager(
+            cfg.reward_model,
             reward_fn,
-            num_workers=rm.num_workers,
-            timeout_s=rm.timeout_s,
-            failure_score=rm.failure_score,
-            reward_kwargs=dict(crf.reward_kwargs),
+            dict(crf.reward_kwargs),
+            max_response_length=self.response_length,
+            device=str(self.device),
         )
         if resume_dir:
             self._load_state(resume_dir)
@@ -191,6 +191,15 @@ class RLTrainer:
     def _find_resume(self) -> tuple[int, Path | None]:
         t = self.cfg.trainer
         if t.resume_mode == "disable":
+            old = ckpt.complete_checkpoints(self.run_dir)
+            if old:
+                # Training from scratch here would mix its checkpoints with the old run's, and resume or
+                # pruning could later pick the wrong ones.
+                raise FileExistsError(
+                    f"trainer.resume_mode=disable but {self.run_dir} already holds checkpoints "
+                    f"({old[-1].name}, …); use another trainer.experiment_name or trainer.default_local_dir, "
+                    "or delete them"
+                )
             return 0, None
         path = (
             Path(t.resume_from_path)
@@ -259,8 +268,10 @@ class RLTrainer:
                 "solution_str": s,
                 "ground_truth": it["ground_truth"],
                 "extra_info": it["extra_info"],
+                "response_length": int(m.sum()),
+                "prompt": it["raw_prompt"],
             }
-            for it, s in zip(items, texts, strict=True)
+            for it, s, m in zip(items, texts, out.response_mask, strict=True)
         ]
         results = self.reward.score(requests)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
@@ -532,17 +543,21 @@ class RLTrainer:
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "start_step": self.start_step}
         started = time.perf_counter()
         try:
-            if self.start_step == 0 and (t.val_before_train or t.val_only):
-                with Timer()("testing"):
+            if t.val_only or (self.start_step == 0 and t.val_before_train):
+                timer = Timer()
+                with timer("testing"):
                     summary["before"] = self.validate()
-                tracker.log(summary["before"], 0)
-                tracker.write(_format_val("before training", summary["before"]))
+                if self.start_step == 0:  # a val_only pass over a resumed run is not a step of it
+                    tracker.log({**summary["before"], **timer.metrics()}, 0)
+                title = f"at step {self.start_step}" if t.val_only else "before training"
+                tracker.write(_format_val(title, summary["before"]))
             if t.val_only:
+                summary.update(seconds=time.perf_counter() - started, steps=self.start_step)
                 return summary
             if self.start_step >= self.total_steps:
                 tracker.write(
-                    f"the run in {self.run_dir} is already complete ({self.start_step} steps); set "
-                    "trainer.resume_mode=disable or another trainer.experiment_name to train again"
+                    f"the run in {self.run_dir} is already complete ({self.start_step} steps); use another "
+                    "trainer.experiment_name (or trainer.default_local_dir) to train again"
                 )
             step = self.start_step
             while step < self.total_steps:

@@ -15,6 +15,7 @@ from typing import Any
 
 KEY_METRICS = {
     "critic/score/mean": "reward",
+    "reward/accuracy": "acc",
     "actor/kl_loss": "kl",
     "actor/entropy": "entropy",
     "response_length/mean": "len",
@@ -69,7 +70,11 @@ class Tracker:
         experiment: str,
         log_freq: int = 10,
         stream=None,
+        key_metrics: dict[str, str] | None = None,
     ) -> None:
+        # key_metrics: metric → short name shown on the progress bar; a record holding one of them
+        # is a training step (the RL loop's by default; the SFT and DPO trainers pass theirs).
+        self.key_metrics = KEY_METRICS if key_metrics is None else key_metrics
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.loggers = loggers
@@ -116,9 +121,9 @@ class Tracker:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
-        if self.bar is not None and any(k.startswith("critic/") for k in clean):
+        if self.bar is not None and any(k in clean for k in self.key_metrics):
             self.bar.set_postfix(
-                {short: _fmt(clean[k]) for k, short in KEY_METRICS.items() if k in clean}, refresh=False
+                {short: _fmt(clean[k]) for k, short in self.key_metrics.items() if k in clean}, refresh=False
             )
             self.bar.update(step - self.bar.n)
             if self.log_freq > 0 and step % self.log_freq == 0:

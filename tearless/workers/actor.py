@@ -235,9 +235,11 @@ def run_updates(
                 optimizer.zero_grad(set_to_none=True)
             sums[f"{prefix}/grad_norm"] += float(grad_norm)
             steps += 1
-    scheduler.step()
     out = {k: v / steps for k, v in sums.items()}
-    out[f"{prefix}/lr"] = optimizer.param_groups[0]["lr"]
+    out[f"{prefix}/lr"] = optimizer.param_groups[0][
+        "lr"
+    ]  # the rate these steps used, before the schedule moves
+    scheduler.step()
     out[f"{prefix}/skipped_steps"] = float(skipped)
     out[f"{prefix}/num_optimizer_steps"] = float(steps)
     return out, skipped

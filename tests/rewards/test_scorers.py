@@ -79,7 +79,9 @@ def test_unknown_source_lists_known_ones_and_the_fix():
         compute_score("my_dataset", "x", "x")
     message = str(info.value)
     assert "data_source 'my_dataset'" in message
-    assert "known: arithmetic, exact_match, gsm8k, openai/gsm8k, searchR1_*" in message
+    for source in ("arithmetic", "gsm8k", "math", "countdown", "knights_knaves", "code", "searchR1_*"):
+        assert f" {source}," in message or f" {source}." in message
+    assert "known: DigitalLearningGmbH/MATH-lighteval, HuggingFaceH4/MATH-500, apps, arithmetic," in message
     assert "custom_reward_function.path=" in message
     with pytest.raises(ValueError, match="no built-in reward function for data_source None"):
         get_scorer(None)
@@ -113,3 +115,30 @@ def test_register_needs_names():
         register_scorer()
     with pytest.raises(ValueError, match="one or more non-empty"):
         register_scorer("*")
+
+
+@pytest.mark.parametrize(
+    ("source", "response", "truth", "score"),
+    [
+        # Distractor numbers, unicode and very long reasoning before the final answer.
+        (
+            "gsm8k",
+            "Janet’s ducks lay 16 eggs… she eats 3, bakes 4: 16 − 3 − 4 = 9 → $18.\n#### 18",
+            "18",
+            1.0,
+        ),
+        ("gsm8k", "Étape 1 : 2 × 3 = 6. " * 3000 + "#### 6", "6", 1.0),
+        ("gsm8k", "#### 18 " + "(checking 17, 19, 20) " * 500, "18", 1.0),
+        ("gsm8k", "The answer is ### 18", "18", 0.0),  # three hashes is not the format
+        ("exact_match", "<answer>Zürich</answer>", "zürich", 1.0),
+        (
+            "exact_match",
+            "<think>" + "Paris? Berlin? " * 2000 + "</think><answer>Berlin</answer>",
+            "Berlin",
+            1.0,
+        ),
+        ("exact_match", "<answer>The answer is Berlin</answer>", "Berlin", 0.0),  # extra words
+    ],
+)
+def test_tricky_real_looking_responses(source, response, truth, score):
+    assert compute_score(source, response, truth) == score

@@ -1,0 +1,66 @@
+"""Write the embedded tasks as train/test parquet files (``tearless data make``).
+
+Tasks: ``arithmetic`` (the default run's addition), ``countdown`` (TinyZero) and
+``knights_knaves`` (Logic-RL, ``num_people`` inhabitants, unique solutions). The test split is drawn
+first from ``seed`` and the training split from ``seed + 1`` with every test problem excluded, so the
+two never share a problem and the same seed always gives the same files.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from tearless.data.rows import DataError, write_parquet
+
+TASKS = ("arithmetic", "countdown", "knights_knaves")
+
+
+def make_rows(
+    task: str, *, num_train: int, num_test: int, seed: int, num_people: int | None = None
+) -> dict[str, list[dict]]:
+    """``{"train": rows, "test": rows}`` for ``task`` (``num_people`` only for knights_knaves)."""
+    if task not in TASKS:
+        raise DataError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+    if num_people is not None and task != "knights_knaves":
+        raise DataError(f"--num-people applies to knights_knaves, not {task}")
+    if num_train < 1 or num_test < 1:
+        raise DataError(f"need at least one train and one test row, got {num_train} and {num_test}")
+    if task == "arithmetic":
+        from tearless.tasks import arithmetic
+
+        test = arithmetic.generate_rows(num_test, seed=seed, split="test")
+        held_out = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in test}
+        train = arithmetic.generate_rows(num_train, seed=seed + 1, split="train", exclude=held_out)
+        return {"train": train, "test": test}
+    if task == "countdown":
+        from tearless.tasks import countdown as module
+    else:
+        from tearless.tasks import knights_knaves as module
+    extra = {"num_people": num_people or 3} if task == "knights_knaves" else {}
+    seen: set = set()
+    try:
+        test = module.generate_rows(num_test, seed=seed, split="test", exclude=seen, **extra)
+        train = module.generate_rows(num_train, seed=seed + 1, split="train", exclude=seen, **extra)
+    except ValueError as exc:
+        raise DataError(str(exc)) from exc
+    return {"train": train, "test": test}
+
+
+def make_task(
+    task: str,
+    output: str | os.PathLike,
+    *,
+    num_train: int = 1000,
+    num_test: int = 100,
+    seed: int = 0,
+    num_people: int | None = None,
+) -> dict[str, str]:
+    """Write ``<output>/train.parquet`` and ``<output>/test.parquet``; return their paths by split."""
+    splits = make_rows(task, num_train=num_train, num_test=num_test, seed=seed, num_people=num_people)
+    paths = {}
+    for split, rows in splits.items():
+        path = Path(output) / f"{split}.parquet"
+        write_parquet(rows, path)
+        paths[split] = str(path)
+    return paths

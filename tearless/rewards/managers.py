@@ -1,0 +1,269 @@
+"""Reward managers chosen by ``reward_model.reward_manager``, and the factory that builds them.
+
+Every manager has ``score(items) -> list[ScoreResult]`` and ``close()`` and is a context manager.
+An item is a dict with ``data_source``, ``solution_str``, ``ground_truth`` and ``extra_info``; the
+``dapo`` overlong penalty also needs ``response_length`` (response tokens, an int) and reward-model
+scoring needs ``prompt`` (the chat messages, or a string).
+
+- ``naive``: the reward function per sample, in this process (veRL's default).
+- ``batch``: one call per batch with lists, ``fn(data_sources, solution_strs, ground_truths,
+  extra_infos, **reward_kwargs) -> list`` (veRL's batch manager); without a custom function, the
+  built-in scorers are called in a loop.
+- ``prime``: a pool of ``num_workers`` processes with a per-sample timeout
+  (:class:`tearless.rewards.RewardManager`); the tearless default, and the one to use for code.
+- ``dapo``: ``prime`` plus DAPO's overlong soft penalty when ``overlong_buffer.enable``:
+  with L_max = ``data.max_response_length`` and buffer B = ``overlong_buffer.len``,
+  penalty = min(0, −(L − (L_max − B)) / B · penalty_factor), added to the score
+  (:func:`tearless.algos.overlong_penalty`).
+
+With ``reward_model.enable`` a reward model (:class:`~tearless.rewards.model.RewardModelScorer`)
+scores every pair, and the score is ``model score + rule_weight · rule score``, the rule score coming
+from the manager above; with ``rule_weight=0`` (the default, as in veRL) rule scorers are not called.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tearless.rewards.manager import RewardManager, ScoreResult
+from tearless.rewards.pool import check_value
+from tearless.rewards.registry import compute_score
+
+REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
+_BATCH_KEYS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+
+
+def compute_score_batch(
+    data_sources: Sequence[str],
+    solution_strs: Sequence[str],
+    ground_truths: Sequence[Any],
+    extra_infos: Sequence[Any],
+    **kwargs: Any,
+) -> list[float | dict]:
+    """The built-in scorers by ``data_source``, with the batch signature (one call per sample)."""
+    return [
+        compute_score(*args, **kwargs)
+        for args in zip(data_sources, solution_strs, ground_truths, extra_infos, strict=True)
+    ]
+
+
+class _Manager:
+    def close(self) -> None:
+        """Release what the manager holds (worker processes)."""
+
+    def __enter__(self) -> _Manager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BatchRewardManager(_Manager):
+    """Scores a whole batch with one call; if the call raises, every sample of it fails."""
+
+    def __init__(
+        self,
+        batch_fn: Callable[..., Sequence[Any]] | None = None,
+        *,
+        failure_score: float = 0.0,
+        reward_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.batch_fn = compute_score_batch if batch_fn is None else batch_fn
+        self.failure_score = float(failure_score)
+        self.reward_kwargs = dict(reward_kwargs or {})
+        try:
+            inspect.signature(self.batch_fn).bind(**dict.fromkeys(_BATCH_KEYS), **self.reward_kwargs)
+        except TypeError as exc:
+            raise TypeError(
+                f"reward_manager=batch needs a function fn(data_sources, solution_strs, ground_truths, "
+                f"extra_infos, **reward_kwargs) returning one score per sample: {exc}"
+            ) from exc
+
+    def score(self, items: Sequence[dict]) -> list[ScoreResult]:
+        # data_sources=[item["data_source"], …], solution_strs=…, ground_truths=…, extra_infos=…
+        columns = {key: [item[key.removesuffix("s")] for item in items] for key in _BATCH_KEYS}
+        try:
+            values = list(self.batch_fn(**columns, **self.reward_kwargs))
+        except Exception as exc:
+            error = f"raised: {type(exc).__name__}: {exc}"
+            return [ScoreResult(self.failure_score, {}, error) for _ in items]
+        if len(values) != len(items):
+            raise ValueError(
+                f"the batch reward function returned {len(values)} scores for {len(items)} samples"
+            )
+        outcomes = [check_value(v) for v in values]
+        return [
+            ScoreResult(o[1], o[2]) if o[0] == "ok" else ScoreResult(self.failure_score, {}, o[1])
+            for o in outcomes
+        ]
+
+
+class OverlongPenaltyManager(_Manager):
+    """DAPO's overlong soft penalty on top of another manager (see the module docs).
+
+    Each result's extras gain ``acc`` (the inner ``acc``, else whether the unpenalised score was
+    ≥ 1) and, with ``log``, ``overlong_reward`` (the penalty) and ``overlong`` (1.0 when penalised).
+    """
+
+    def __init__(
+        self, inner: Any, *, max_response_length: int, buffer_len: int, penalty_factor: float, log: bool
+    ) -> None:
+        if not 0 < buffer_len <= max_response_length:
+            raise ValueError(
+                "reward_model.overlong_buffer.len must be in "
+                f"(0, max_response_length={max_response_length}], "
+                f"got {buffer_len}"
+            )
+        self.inner = inner
+        self.max_response_length = max_response_length
+        self.buffer_len = buffer_len
+        self.penalty_factor = penalty_factor
+        self.log = log
+
+    def score(self, items: Sequence[dict]) -> list[ScoreResult]:
+        import torch
+
+        from tearless.algos import overlong_penalty
+
+        missing = [i for i, item in enumerate(items) if "response_length" not in item]
+        if missing:
+            raise ValueError(
+                f"the overlong penalty needs each item's response_length (tokens); item {missing[0]} lacks it"
+            )
+        results = self.inner.score(items)
+        lengths = torch.tensor([float(item["response_length"]) for item in items])
+        penalties = overlong_penalty(lengths, self.max_response_length, self.buffer_len, self.penalty_factor)
+        shaped = []
+        for result, penalty in zip(results, penalties.tolist(), strict=True):
+            extra = {**result.extra, "acc": result.extra.get("acc", float(result.score >= 1.0))}
+            if self.log:
+                extra.update(overlong_reward=penalty, overlong=float(penalty < 0))
+            shaped.append(ScoreResult(result.score + penalty, extra, result.error))
+        return shaped
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ModelRewardManager(_Manager):
+    """A reward model's score, plus ``rule_weight`` times the rule manager's score when given.
+
+    Extras: ``rm_score``, and with a rule manager ``rule_score`` and the rule result's extras.
+    """
+
+    def __init__(self, scorer: Any, rule: Any = None, rule_weight: float = 0.0) -> None:
+        self.scorer = scorer
+        self.rule = rule
+        self.rule_weight = float(rule_weight)
+
+    def score(self, items: Sequence[dict]) -> list[ScoreResult]:
+        if any("prompt" not in item for item in items):
+            raise ValueError("reward-model scoring needs each item's prompt (its chat messages)")
+        model_scores = self.scorer.score([it["prompt"] for it in items], [it["solution_str"] for it in items])
+        rules = self.rule.score(items) if self.rule is not None else [None] * len(items)
+        results = []
+        for value, rule in zip(model_scores, rules, strict=True):
+            if rule is None:
+                results.append(ScoreResult(value, {"rm_score": value}))
+                continue
+            extra = {**rule.extra, "rm_score": value, "rule_score": rule.score}
+            results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error))
+        return results
+
+    def close(self) -> None:
+        if self.rule is not None:
+            self.rule.close()
+
+
+def reward_config_problems(reward_model: Any, max_response_length: int) -> list[tuple[str, str, str]]:
+    """``(key, problem, fix)`` for every inconsistency in a ``reward_model`` config section."""
+    rm, problems = reward_model, []
+    if rm.reward_manager not in REWARD_MANAGERS:
+        problems.append(
+            ("reward_model.reward_manager", f"{rm.reward_manager!r} is not a reward manager",
+             f"Use one of {', '.join(REWARD_MANAGERS)}.")
+        )  # fmt: skip
+    ob = rm.overlong_buffer
+    if ob.enable and rm.reward_manager != "dapo":
+        problems.append(
+            ("reward_model.overlong_buffer.enable", "the overlong penalty belongs to the dapo manager",
+             "Set reward_model.reward_manager=dapo.")
+        )  # fmt: skip
+    if ob.enable and not 0 < ob.len <= max_response_length:
+        problems.append(
+            ("reward_model.overlong_buffer.len", f"must be in (0, {max_response_length}], got {ob.len}",
+             "Set it to at most data.max_response_length (DAPO used a quarter of it).")
+        )  # fmt: skip
+    if ob.enable and not (math.isfinite(ob.penalty_factor) and ob.penalty_factor >= 0):
+        problems.append(
+            ("reward_model.overlong_buffer.penalty_factor", f"must be >= 0, got {ob.penalty_factor}",
+             "DAPO used 1.0.")
+        )  # fmt: skip
+    if rm.enable and not rm.model.path:
+        problems.append(
+            ("reward_model.model.path", "reward_model.enable=true needs a model",
+             "Point it at a local sequence-classification model directory (num_labels=1).")
+        )  # fmt: skip
+    if not rm.enable and rm.rule_weight != 0.0:
+        problems.append(
+            ("reward_model.rule_weight", "only applies with reward_model.enable=true",
+             "Enable the reward model or leave rule_weight at 0.")
+        )  # fmt: skip
+    return problems
+
+
+def make_reward_manager(
+    reward_model: Any,
+    score_fn: Callable[..., Any] | None = None,
+    reward_kwargs: dict[str, Any] | None = None,
+    *,
+    max_response_length: int,
+    device: str = "cpu",
+) -> Any:
+    """Build the manager a ``reward_model`` config section describes (see the module docs).
+
+    ``score_fn`` is the custom reward function (``None``: the built-in scorers); for ``batch`` it
+    must have the batch signature. ``max_response_length`` is the rollout's response cap in tokens.
+    """
+    problems = reward_config_problems(reward_model, max_response_length)
+    if problems:
+        key, problem, fix = problems[0]
+        raise ValueError(f"{key}: {problem}. {fix}")
+    rm, kwargs = reward_model, dict(reward_kwargs or {})
+    rule: Any = None
+    if not rm.enable or rm.rule_weight != 0.0:
+        if rm.reward_manager == "batch":
+            rule = BatchRewardManager(score_fn, failure_score=rm.failure_score, reward_kwargs=kwargs)
+        else:
+            workers = 0 if rm.reward_manager == "naive" else rm.num_workers
+            rule = RewardManager(
+                score_fn,
+                num_workers=workers,
+                timeout_s=rm.timeout_s,
+                failure_score=rm.failure_score,
+                reward_kwargs=kwargs,
+            )
+    manager = rule
+    if rm.enable:
+        from tearless.rewards.model import RewardModelScorer
+
+        scorer = RewardModelScorer(
+            rm.model.path,
+            micro_batch_size=rm.micro_batch_size_per_gpu,
+            max_length=rm.max_length,
+            device=device,
+        )
+        manager = ModelRewardManager(scorer, rule, rm.rule_weight)
+    ob = rm.overlong_buffer
+    if rm.reward_manager == "dapo" and ob.enable:
+        manager = OverlongPenaltyManager(
+            manager,
+            max_response_length=max_response_length,
+            buffer_len=ob.len,
+            penalty_factor=ob.penalty_factor,
+            log=ob.log,
+        )
+    return manager

@@ -1,0 +1,100 @@
+"""Session-wide fixtures: the embedded arithmetic task, built once, and a small trainer config.
+
+The task is the package's own (``prepare_task``): parquet files and a warmed-up tiny Llama. It is
+built in a temporary directory once per test session (about 25 s on 2 cores); every trainer test
+passes its model and files explicitly, so no test touches ``~/.cache/tearless``.
+Set ``TEARLESS_TEST_TASK_CACHE=<dir>`` to keep the build between sessions while iterating locally.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# 300 warm-up steps (the package default): with fewer, the greedy policy is too weak for a handful of
+# RL steps to move held-out accuracy reliably (measured: 200 steps gave +0.05 to +0.2, 300 gave
+# +0.2 to +0.3 over six seeds). 400 training prompts cover the longest run (12 steps of 32 prompts).
+TASK_SPEC = dict(num_train=400, num_val=100, warmup_steps=300)
+
+
+@pytest.fixture(scope="session")
+def task_spec():
+    from tearless.tasks.bootstrap import TaskSpec
+
+    return TaskSpec(**TASK_SPEC)
+
+
+@pytest.fixture(scope="session")
+def task(task_spec, tmp_path_factory):
+    """The embedded task's files (``model_dir``, ``train_file``, ``val_file``, ``info``)."""
+    from tearless.tasks.bootstrap import prepare_task
+
+    cache = os.environ.get("TEARLESS_TEST_TASK_CACHE") or tmp_path_factory.mktemp("task-cache")
+    return prepare_task(task_spec, cache, log=lambda _: None)
+
+
+def small_overrides(task, run_dir: str | Path, *extra: str) -> list[str]:
+    """A fast trainer config on the session task: 8 prompts × 4 responses per step, jsonl only."""
+    return [
+        f"actor_rollout_ref.model.path={task.model_dir}",
+        f"data.train_files={task.train_file}",
+        f"data.val_files={task.val_file}",
+        f"trainer.default_local_dir={run_dir}",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "data.max_response_length=16",
+        "data.val_max_samples=40",
+        "trainer.logger=[jsonl]",
+        "reward_model.num_workers=0",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def overrides(task):
+    """``overrides(run_dir, *extra)``: :func:`small_overrides` bound to the session task."""
+
+    def make(run_dir, *extra):
+        return small_overrides(task, run_dir, *extra)
+
+    return make
+
+
+E2E_STEPS = 12
+
+
+@pytest.fixture(scope="session")
+def trained_run(task, tmp_path_factory):
+    """One real GRPO run on the session task, shared by the end-to-end and checkpoint tests.
+
+    12 steps of 32 prompts × 8 responses with a low-variance KL loss, checkpoints at steps 6 and
+    12, 5 rollout samples per step in rollouts.jsonl. Returns ``(summary, run_dir)``. With 16
+    prompts per step the training reward is too noisy for a 12-step trend (measured over ten seeds:
+    it fell in two); with 32 it rose in all ten (+0.01 to +0.13) and greedy held-out accuracy went
+    from 0.40 to 0.58-0.70.
+    """
+    from tearless import train
+
+    run_dir = tmp_path_factory.mktemp("trained-run")
+    summary = train(
+        None,
+        small_overrides(
+            task,
+            run_dir,
+            "data.train_batch_size=32",
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+            f"trainer.total_training_steps={E2E_STEPS}",
+            "trainer.save_freq=6",
+            "trainer.num_rollout_samples=5",
+            "trainer.logger=[console,jsonl]",
+            "trainer.log_freq=6",
+        ),
+        log=lambda _: None,
+    )
+    return summary, run_dir

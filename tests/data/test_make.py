@@ -1,0 +1,45 @@
+"""``tearless data make``: the embedded tasks as seeded train/test files that never overlap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tearless.cli import main
+from tearless.data import DataError, load_rows
+from tearless.data.make import make_rows
+from tearless.rewards import compute_score
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "countdown", "knights_knaves"])
+def test_splits_are_seeded_sized_and_disjoint(task):
+    splits = make_rows(task, num_train=60, num_test=20, seed=3)
+    assert splits == make_rows(task, num_train=60, num_test=20, seed=3)
+    assert splits != make_rows(task, num_train=60, num_test=20, seed=4)
+    assert (len(splits["train"]), len(splits["test"])) == (60, 20)
+    prompts = {split: {json.dumps(r["prompt"]) for r in rows} for split, rows in splits.items()}
+    assert len(prompts["train"]) == 60 and not prompts["train"] & prompts["test"]
+    assert {r["extra_info"]["split"] for r in splits["test"]} == {"test"}
+
+
+def test_options_are_checked():
+    with pytest.raises(DataError, match="--num-people applies to knights_knaves, not countdown"):
+        make_rows("countdown", num_train=1, num_test=1, seed=0, num_people=4)
+    with pytest.raises(DataError, match="unknown task 'sudoku'"):
+        make_rows("sudoku", num_train=1, num_test=1, seed=0)
+    with pytest.raises(DataError, match="num_people must be in"):
+        make_rows("knights_knaves", num_train=1, num_test=1, seed=0, num_people=1)
+
+
+def test_cli_make_writes_files_the_scorers_read(tmp_path, capsys):
+    out = tmp_path / "kk"
+    args = ["--output", str(out), "--num-train", "8", "--num-test", "4", "--num-people", "4", "--seed", "1"]
+    code = main(["data", "make", "knights_knaves", *args])
+    assert code == 0 and "train.parquet: 8 rows" in capsys.readouterr().out
+    rows = load_rows(out / "train.parquet")
+    assert len(rows) == 8 and all(r["extra_info"]["num_people"] == 4 for r in rows)
+    truth = rows[0]["reward_model"]["ground_truth"]
+    response = "<think>...</think><answer>" + truth.replace("\n", " ") + "</answer>"
+    assert compute_score(rows[0]["data_source"], response, truth)["score"] == 3.0
+    assert main(["data", "make", "countdown", "--output", str(tmp_path / "cd"), "--num-people", "3"]) == 2

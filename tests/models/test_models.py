@@ -1,0 +1,105 @@
+"""Loading models and tokenizers from local directories; response log-probs and entropy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tearless.models.logprobs import response_logprobs, sequence_inputs
+
+
+@pytest.fixture(scope="module")
+def model(task):
+    return load_causal_lm(task.model_dir)
+
+
+def test_missing_directories_name_the_config_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.path=.*never downloads"):
+        load_causal_lm(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.tokenizer_path="):
+        load_tokenizer(tmp_path, key="actor_rollout_ref.model.tokenizer_path")  # exists, but empty
+
+
+def test_tokenizer_is_left_padded_with_a_pad_that_is_not_eos(task):
+    tok = load_tokenizer(task.model_dir)
+    assert tok.padding_side == "left"
+    assert tok.pad_token_id is not None and tok.pad_token_id != tok.eos_token_id
+
+
+def test_a_tokenizer_without_pad_gets_eos_as_pad(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from tearless.tasks.tokenizer import build_char_tokenizer
+
+    base = build_char_tokenizer()
+    bare = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|end|>")
+    bare.save_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert tok.pad_token_id == tok.eos_token_id == base.eos_token_id
+
+
+def test_dtypes():
+    assert resolve_dtype("bf16") is torch.bfloat16 and resolve_dtype("float32") is torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        resolve_dtype("fp8")
+
+
+def test_load_in_bfloat16_and_with_gradient_checkpointing(task):
+    m = load_causal_lm(task.model_dir, dtype="bfloat16", gradient_checkpointing=True)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert m.config.use_cache is False
+
+
+def test_sequence_inputs_drop_all_pad_columns_and_count_positions_from_the_mask():
+    prompt_ids = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]])
+    prompt_mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+    response_ids = torch.tensor([[1, 2, 0], [3, 0, 0]])
+    response_mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    ids, mask, pos = sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
+    assert ids.tolist() == [[0, 5, 6, 1, 2, 0], [7, 8, 9, 3, 0, 0]]
+    assert mask.tolist() == [[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
+    assert pos.tolist() == [[0, 0, 1, 2, 3, 3], [0, 1, 2, 3, 3, 3]]
+
+
+def test_response_log_probs_and_entropy_match_a_plain_forward_of_each_row(model):
+    # Row 0: prompt [7 tokens] + response [3 tokens]; row 1: prompt [9] + response [5]; left-padded
+    # prompts, right-padded responses. Each row is also run alone, unpadded, as the reference.
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, 100, (7,), generator=g), torch.randint(10, 100, (9,), generator=g)]
+    responses = [torch.randint(10, 100, (3,), generator=g), torch.randint(10, 100, (5,), generator=g)]
+    prompt_ids = torch.zeros(2, 9, dtype=torch.long)
+    prompt_mask = torch.zeros(2, 9, dtype=torch.long)
+    response_ids = torch.zeros(2, 5, dtype=torch.long)
+    response_mask = torch.zeros(2, 5, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        prompt_ids[i, 9 - len(p) :], prompt_mask[i, 9 - len(p) :] = p, 1
+        response_ids[i, : len(r)], response_mask[i, : len(r)] = r, 1
+    temperature = 0.8
+    with torch.no_grad():
+        lp, ent = response_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            temperature=temperature,
+            with_entropy=True,
+        )
+        assert lp.shape == ent.shape == (2, 5)
+        for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+            logits = model(torch.cat([p, r])[None]).logits[0, len(p) - 1 : -1] / temperature
+            logp = torch.log_softmax(logits, -1)
+            want = logp.gather(-1, r[:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[i, : len(r)], want, atol=1e-5, rtol=0)
+            want_ent = -(logp.exp() * logp).sum(-1)
+            torch.testing.assert_close(ent[i, : len(r)], want_ent, atol=1e-5, rtol=0)
+
+
+def test_entropy_has_gradient_only_when_asked(model):
+    ids = torch.tensor([[5, 6, 7]])
+    one = torch.ones_like(ids)
+    _, plain = response_logprobs(model, ids, one, ids, one, with_entropy=True)
+    _, grad = response_logprobs(model, ids, one, ids, one, with_entropy="grad")
+    lp, none = response_logprobs(model, ids, one, ids, one)
+    assert not plain.requires_grad and grad.requires_grad and lp.requires_grad and none is None

@@ -1,0 +1,322 @@
+"""The code sandbox: hostile programs are contained, scored as failures, and leave nothing behind.
+
+Each hostile program runs twice: with the Python guard (the audit hook refuses the act) and without
+it (only the operating system's limits stand: uid, namespaces, rlimits). The fork bomb is bounded
+by RLIMIT_NPROC (8 tasks) and a 1 s wall clock, so it cannot take the machine down; a smaller bomb
+is tested first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from tearless.rewards.sandbox import UID_BASE, SandboxError, SandboxLimits, run_in_sandbox
+
+ROOT = os.geteuid() == 0
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
+GUARDS = [pytest.param(True, id="guard"), pytest.param(False, id="os-only")]
+
+
+def live_sandbox_processes() -> list[int]:
+    """Pids of running (not zombie) processes owned by sandbox uids."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid < UID_BASE:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in ("Z", "X"):
+            pids.append(int(pid))
+    return pids
+
+
+def run(source: str, *, guard: bool, time_limit_s: float = 1.0, inputs=("",), **limits):
+    start = time.monotonic()
+    result = run_in_sandbox(
+        textwrap.dedent(source), list(inputs), limits=SandboxLimits(time_limit_s, guard=guard, **limits)
+    )
+    return result, time.monotonic() - start
+
+
+def assert_unharmed(elapsed: float, bound: float) -> None:
+    assert elapsed < bound, f"took {elapsed:.1f}s"
+    if ROOT:
+        assert live_sandbox_processes() == []
+
+
+def test_a_correct_program_passes_with_stdin_and_stdout():
+    result, _ = run(
+        """
+        import heapq, sys
+        n = int(input())
+        print(sum(map(int, sys.stdin.read().split())) * n)
+        """,
+        guard=True,
+        inputs=["2\n1 2 3\n", "3\n4"],
+    )
+    assert [r.status for r in result.runs] == ["ok", "ok"]
+    assert [r.output for r in result.runs] == ["12\n", "12\n"]
+    expected = {"rlimit_cpu", "rlimit_as", "rlimit_fsize", "python_audit_guard"}
+    if ROOT:
+        expected |= {"network_namespace", "private_mounts", "unprivileged_uid", "rlimit_nproc", "uid_sweep"}
+    assert expected <= set(result.protections)
+
+
+def test_function_calls_and_a_compile_error():
+    result = run_in_sandbox(
+        "class Solution:\n    def pair(self, a, b):\n        return (a + b, [a, b])\n",
+        [[1, 2], [3, 4]],
+        fn_name="pair",
+    )
+    assert [r.output for r in result.runs] == ["[3, [1, 2]]", "[7, [3, 4]]"]
+    broken = run_in_sandbox("def f(:\n", ["x"])
+    assert broken.compile_error.startswith("SyntaxError")
+    assert broken.runs[0].status == "skipped"
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_an_infinite_loop_times_out_and_ends_the_sample(guard):
+    result, elapsed = run("while True:\n    pass\n", guard=guard, time_limit_s=0.5, inputs=["", ""])
+    assert [r.status for r in result.runs] == ["timeout", "skipped"]
+    assert_unharmed(elapsed, 5.0)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_a_10_gb_allocation_fails(guard):
+    result, elapsed = run("x = bytearray(10 * 1024**3)\nprint(len(x))\n", guard=guard)
+    assert result.runs[0].status == "error"
+    assert "MemoryError" in result.runs[0].stderr
+    assert_unharmed(elapsed, 5.0)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_writing_outside_the_working_directory_fails(guard, tmp_path):
+    if not guard and not ROOT:
+        pytest.skip("without root only the guard keeps a program inside its working directory")
+    targets = [
+        f"/tmp/tearless-escape-{uuid.uuid4().hex}",
+        str(tmp_path / "escape"),
+        "/dev/shm/tearless-escape",
+    ]
+    result, elapsed = run(
+        f"""
+        import os
+        open("inside.txt", "w").write("fine")
+        for path in {targets!r}:
+            try:
+                with open(path, "w") as f:
+                    f.write("escaped")
+                print("escaped", path)
+            except OSError as exc:
+                print("blocked", type(exc).__name__)
+        fd = os.open({targets[0]!r}, os.O_WRONLY | os.O_CREAT)
+        """,
+        guard=guard,
+    )
+    assert result.runs[0].status == "error"  # the last os.open raised
+    assert not any(os.path.exists(p) for p in targets)
+    assert_unharmed(elapsed, 5.0)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+def test_opening_a_socket_fails(guard):
+    if not guard and not ROOT:
+        pytest.skip("without root there is no network namespace: only the guard blocks sockets")
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    port = server.getsockname()[1]
+    with server:
+        result, elapsed = run(
+            f"""
+            import socket
+            s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
+            s.sendall(b"escaped")
+            print("connected")
+            """,
+            guard=guard,
+        )
+        with pytest.raises(TimeoutError):
+            server.accept()
+    assert result.runs[0].status == "error"
+    assert ("PermissionError" if guard else "Network is unreachable") in result.runs[0].stderr
+    assert_unharmed(elapsed, 5.0)
+
+
+def test_a_small_fork_bomb_is_refused_by_the_guard():
+    source = """
+        import os
+        for _ in range(3):
+            try:
+                os.fork()
+            except PermissionError:
+                print("refused")
+        """
+    result, elapsed = run(source, guard=True)
+    assert result.runs[0].output == "refused\n" * 3
+    assert_unharmed(elapsed, 5.0)
+
+
+@pytest.mark.skipif(not ROOT, reason="without root RLIMIT_NPROC is shared with the user's processes")
+def test_a_small_fork_bomb_without_the_guard_is_capped_by_rlimit_nproc():
+    # 3 doublings want 8 test processes; with the harness the budget of 8 tasks leaves room for 7.
+    source = """
+        import os, time
+        for _ in range(3):
+            try:
+                os.fork()
+            except OSError:
+                print("refused", flush=True)
+        time.sleep(0.3)
+        """
+    result, elapsed = run(source, guard=False, max_processes=8)
+    assert "refused" in result.runs[0].output
+    assert_unharmed(elapsed, 5.0)
+
+
+@pytest.mark.skipif(not ROOT, reason="without root RLIMIT_NPROC is shared with the user's processes")
+def test_a_fork_bomb_without_the_guard_is_contained():
+    source = """
+        import os
+        while True:
+            try:
+                if os.fork() == 0:
+                    os.setsid()  # leave the process group: only the uid sweep finds these
+            except OSError:
+                pass
+        """
+    result, elapsed = run(source, guard=False, inputs=["", ""], max_processes=8)
+    assert [r.status for r in result.runs] == ["timeout", "skipped"]
+    assert_unharmed(elapsed, 8.0)
+
+
+@pytest.mark.skipif(not ROOT, reason="the uid sweep needs root")
+def test_processes_outliving_a_killed_harness_are_swept():
+    source = """
+        import os, signal, time
+        if os.fork() == 0:
+            os.setsid()
+            time.sleep(30)
+        time.sleep(0.1)
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(30)
+        """
+    result, elapsed = run(source, guard=False, time_limit_s=3.0)
+    assert result.runs[0].status == "skipped"
+    assert_unharmed(elapsed, 5.0)
+
+
+@pytest.mark.skipif(not ROOT, reason="without root scratch is a plain directory")
+def test_the_program_writes_only_to_a_small_private_scratch():
+    source = """
+        import os, shutil
+        print(shutil.disk_usage(".").total, os.listdir("."))
+        try:
+            for i in range(100):
+                with open(f"f{i}", "wb") as f:
+                    f.write(b"x" * 300_000)
+        except OSError as exc:
+            print("full after", i, "files")
+        for path in ["../out/1", "../in/1", "../job.json", "../escape"]:
+            try:
+                open(path, "a").close()
+                print("opened", path)
+            except OSError:
+                print("refused", path)
+        """
+    result, elapsed = run(source, guard=False, inputs=["", ""], file_size_mb=1)
+    lines = result.runs[0].output.splitlines()
+    assert lines[0] == f"{1 << 20} []"  # an empty tmpfs of file_size_mb
+    assert lines[1] == "full after 3 files"
+    assert lines[2:] == ["refused ../out/1", "refused ../in/1", "refused ../job.json", "refused ../escape"]
+    assert result.runs[1].output == result.runs[0].output  # the first test's files were removed
+    assert_unharmed(elapsed, 5.0)
+
+
+def test_output_is_capped_and_the_working_directory_removed():
+    result, elapsed = run("while True:\n    print('x' * 1000)\n", guard=True, file_size_mb=1)
+    assert result.runs[0].status == "output_limit"
+    assert_unharmed(elapsed, 5.0)
+    result, _ = run("import os\nprint(os.getcwd())\n", guard=True)
+    workdir = result.runs[0].output.strip()
+    assert "tearless-sandbox-" in workdir and not os.path.exists(workdir)
+
+
+def test_limits_are_checked():
+    with pytest.raises(ValueError, match="memory_mb must be at least 64"):
+        SandboxLimits(memory_mb=8)
+    with pytest.raises(ValueError, match="time_limit_s"):
+        SandboxLimits(time_limit_s=0)
+
+
+NON_ROOT_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, {repo!r})
+import tearless.rewards.sandbox as sandbox
+from tearless.rewards import sandbox_harness as harness
+
+# The interpreter lives under /root here (mode 0700): make it reachable for the unprivileged uid in
+# a private mount namespace, the way the harness does for itself, then drop root for good.
+lib = harness.libc()
+harness.check(lib.unshare(harness.CLONE_NEWNS), "unshare")
+harness.check(lib.mount(b"none", b"/", None, harness.MS_REC | harness.MS_PRIVATE, None), "private")
+here = os.path.dirname(os.path.realpath(sandbox.__file__))
+prefixes = {{sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), here}}
+harness.SHARED_WRITABLE = ()
+harness.cover_and_expose(lib, sorted(prefixes))
+uid = 0x30000000 + os.getpid()
+os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
+os.chdir("/tmp")
+limits = sandbox.SandboxLimits(time_limit_s=1.0)
+escape = "/tmp/tearless-escape-" + str(os.getpid())
+ok = sandbox.run_in_sandbox("print(int(input()) * 2)", ["21"], limits=limits)
+blocked = sandbox.run_in_sandbox(f"open({{escape!r}}, 'w')", [""], limits=limits)
+bomb = sandbox.run_in_sandbox(
+    "import os\\nwhile True:\\n    try: os.fork()\\n    except OSError: pass\\n",
+    [""],
+    limits=sandbox.SandboxLimits(time_limit_s=1.0, guard=False),
+)
+left = [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())
+        and os.path.exists(f"/proc/{{p}}") and os.stat(f"/proc/{{p}}").st_uid == uid
+        and open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"]
+print(json.dumps({{
+    "protections": ok.protections, "ok": [ok.runs[0].status, ok.runs[0].output],
+    "blocked": blocked.runs[0].status, "escaped": os.path.exists(escape),
+    "bomb": bomb.runs[0].status, "left": left,
+}}))
+"""
+
+
+@pytest.mark.skipif(not ROOT, reason="needs root to become an unprivileged user for the test")
+def test_without_root_the_limits_and_the_guard_still_hold():
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", NON_ROOT_SCRIPT.format(repo=repo)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "rlimit_nproc_approx" in report["protections"]
+    assert "unprivileged_uid" not in report["protections"]
+    assert report["ok"] == ["ok", "42\n"]
+    assert report["blocked"] == "error" and not report["escaped"]
+    assert report["bomb"] == "timeout" and report["left"] == []
+
+
+def test_a_broken_setup_is_an_error_not_a_zero(monkeypatch):
+    monkeypatch.setattr("tearless.rewards.sandbox.sys.executable", "/bin/false")
+    with pytest.raises(SandboxError, match="could not start"):
+        run_in_sandbox("print(1)", [""])

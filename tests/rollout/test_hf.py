@@ -1,0 +1,194 @@
+"""The built-in KV-cache sampler against transformers' own generate, and the actor's log-probs."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tearless.data import render_prompt
+from tearless.models.loading import load_causal_lm, load_tokenizer
+from tearless.rollout.hf import HFRollout, filter_logits, left_pad
+from tearless.workers.actor import LogProbWorker
+
+# Different prompt lengths (7 to 9 tokens) so that left padding and positions matter; the answers
+# differ in length too ("1+2=3, 3" vs "7+8=15, 85"), so some rows finish before others.
+QUESTIONS = ["1+2=", "47+38=", "7+8=", "99+99=", "15+6=", "0+40=", "62+29=", "3+45="]
+
+
+@pytest.fixture(scope="module")
+def setup(task):
+    tok = load_tokenizer(task.model_dir)
+    model = load_causal_lm(task.model_dir)
+    prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    rollout = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    return tok, model, prompts, rollout
+
+
+def as_batch(out):
+    return TensorDict(
+        {
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask,
+            "response_ids": out.response_ids,
+            "response_mask": out.response_mask,
+        },
+        batch_size=[out.response_ids.shape[0]],
+    )
+
+
+def test_greedy_equals_transformers_generate(setup):
+    tok, model, prompts, rollout = setup
+    assert len({len(p) for p in prompts}) == 3
+    ours = rollout.generate(prompts, max_new_tokens=16, do_sample=False)
+    ids, mask = left_pad(prompts, tok.pad_token_id)
+    theirs = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=16,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )[:, ids.shape[1] :]
+    # Both stop when every row has hit EOS, so the widths agree too.
+    assert theirs.shape == ours.response_ids.shape
+    assert theirs.tolist() == ours.response_ids.tolist()
+    texts = tok.batch_decode(ours.response_ids, skip_special_tokens=True)
+    assert texts[0].startswith("1+2=3, ")  # the warm-up's format: units column, then the answer
+    assert (ours.prompt_ids == ids).all() and (ours.prompt_mask == mask).all()
+
+
+def test_prompts_of_one_row_and_of_a_batch_give_the_same_greedy_answer(setup):
+    # Left padding and positions from the mask: a prompt's answer does not depend on its neighbours.
+    _, _, prompts, rollout = setup
+    batch = rollout.generate(prompts, max_new_tokens=16, do_sample=False)
+    for i in (0, 3):
+        alone = rollout.generate([prompts[i]], max_new_tokens=16, do_sample=False)
+        length = int(alone.response_mask.sum())
+        assert batch.response_ids[i, :length].tolist() == alone.response_ids[0, :length].tolist()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sampler_log_probs_equal_the_actors_recomputed_log_probs(setup, temperature, dtype):
+    # The sampler's incremental KV-cache forward and the actor's one-pass forward over the padded
+    # sequence do the same maths in a different order. In float64 they agree to 1e-5 with room to
+    # spare (measured: exactly); in float32 rounding alone reaches ~1.5e-5 on log-probs near -2.
+    tok, model, prompts, _ = setup
+    model = copy.deepcopy(model).to(dtype)
+    rollout = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    out = rollout.generate(
+        prompts,
+        n=2,
+        max_new_tokens=16,
+        temperature=temperature,
+        top_k=5,  # filtering changes what can be drawn, not the log-probs (those are unfiltered)
+        generator=torch.Generator().manual_seed(3),
+    )
+    recomputed, _ = LogProbWorker(model, temperature=temperature).compute_log_prob(as_batch(out))
+    valid = out.response_mask.bool()
+    atol = 1e-5 if dtype == torch.float64 else 5e-5
+    torch.testing.assert_close(out.log_probs[valid], recomputed[valid], atol=atol, rtol=0)
+    assert (out.log_probs[~valid] == 0).all()
+
+
+def test_response_mask_covers_up_to_and_including_eos_and_truncation_flags(setup):
+    tok, _, prompts, rollout = setup
+    # 10 new tokens: "1+2=3, 3" + EOS (9 tokens) fits, "7+8=15, 85" + EOS (11) does not.
+    out = rollout.generate(prompts, n=2, max_new_tokens=10, generator=torch.Generator().manual_seed(0))
+    assert out.response_ids.shape == (16, 10)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    for ids, mask, truncated in zip(out.response_ids, out.response_mask, out.truncated, strict=True):
+        length = int(mask.sum())
+        assert mask[:length].all() and not mask[length:].any()  # ones, then zeros
+        assert (ids[length:] == pad).all()
+        eos_at = (ids[:length] == eos).nonzero().flatten().tolist()
+        if truncated:
+            assert eos_at == [] and length == 10
+        else:
+            assert eos_at == [length - 1]  # EOS is the last valid token, and the only one
+    assert out.truncated.any() and not out.truncated.all()
+
+
+def test_top_k_1_sampling_equals_greedy(setup):
+    _, _, prompts, rollout = setup
+    greedy = rollout.generate(prompts, max_new_tokens=16, do_sample=False)
+    sampled = rollout.generate(
+        prompts, max_new_tokens=16, top_k=1, temperature=1.3, generator=torch.Generator().manual_seed(7)
+    )
+    assert sampled.response_ids.tolist() == greedy.response_ids.tolist()
+    assert sampled.response_mask.tolist() == greedy.response_mask.tolist()
+
+
+def test_same_generator_seed_gives_the_same_samples(setup):
+    _, _, prompts, rollout = setup
+
+    def sample(seed):
+        return rollout.generate(
+            prompts, n=4, max_new_tokens=16, temperature=1.5, generator=torch.Generator().manual_seed(seed)
+        )
+
+    a, b, c = sample(11), sample(11), sample(12)
+    assert a.response_ids.equal(b.response_ids) and a.log_probs.equal(b.log_probs)
+    assert not a.response_ids.equal(c.response_ids)
+    # n copies of a prompt are adjacent and, at temperature 1.5, not all alike.
+    assert a.prompt_ids[0].equal(a.prompt_ids[3]) and not a.prompt_ids[3].equal(a.prompt_ids[4])
+    assert len({tuple(r) for r in a.response_ids[:4].tolist()}) > 1
+
+
+def test_the_model_is_left_in_the_mode_it_was_in(setup):
+    _, model, prompts, rollout = setup
+    model.train()
+    rollout.generate(prompts[:2], max_new_tokens=2, do_sample=False)
+    assert model.training
+    model.eval()
+    rollout.generate(prompts[:2], max_new_tokens=2, do_sample=False)
+    assert not model.training
+
+
+def test_left_pad_by_hand():
+    ids, mask = left_pad([[5, 6, 7], [8], []], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+
+
+NEG = -math.inf
+
+
+def test_filter_logits_top_k_by_hand():
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.0], [0.0, -1.0, 5.0, 2.0]])
+    assert filter_logits(logits, top_k=2).tolist() == [[NEG, 4.0, NEG, 3.0], [NEG, NEG, 5.0, 2.0]]
+    assert filter_logits(logits, top_k=1).tolist() == [[NEG, 4.0, NEG, NEG], [NEG, NEG, 5.0, NEG]]
+    # Off: top_k <= 0, or at least the vocabulary size.
+    for k in (-1, 0, 4, 10):
+        assert filter_logits(logits, top_k=k).equal(logits)
+    # Ties at the k-th value are all kept.
+    assert filter_logits(torch.tensor([3.0, 1.0, 3.0, 3.0]), top_k=2).tolist() == [3.0, NEG, 3.0, 3.0]
+
+
+def test_filter_logits_top_p_by_hand():
+    # Probabilities 0.5, 0.3, 0.15, 0.05 in a shuffled order: [0.15, 0.5, 0.05, 0.3].
+    # Sorted, the mass before each token is 0, 0.5, 0.8, 0.95; a token is dropped when the mass
+    # before it already reaches top_p.
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    kept = lambda p: torch.isfinite(filter_logits(logits, top_p=p)).tolist()  # noqa: E731
+    assert kept(0.4) == [False, True, False, False]  # 0.5 alone reaches 0.4
+    assert kept(0.7) == [False, True, False, True]  # 0.5 + 0.3
+    assert kept(0.9) == [True, True, False, True]  # 0.5 + 0.3 + 0.15
+    assert kept(0.99) == [True, True, True, True]
+    assert kept(1e-9) == [False, True, False, False]  # the most likely token is always kept
+    assert filter_logits(logits, top_p=1.0).equal(logits)
+    # Kept logits are unchanged (no renormalisation here; softmax does it).
+    assert filter_logits(logits, top_p=0.7)[1] == logits[1]
+    # Rows are filtered independently; top-k first, then top-p over what is left.
+    two = torch.stack([logits, torch.tensor([0.25, 0.25, 0.25, 0.25]).log()])
+    assert torch.isfinite(filter_logits(two, top_p=0.6)).tolist() == [
+        [False, True, False, True],
+        [True, True, True, False],
+    ]
+    both = filter_logits(logits, top_k=3, top_p=0.9)
+    # After top-3 the mass renormalises to 0.5/0.95, 0.3/0.95, 0.15/0.95: mass before is 0, 0.53, 0.84.
+    assert torch.isfinite(both).tolist() == [True, True, False, True]

@@ -1,0 +1,117 @@
+"""The command line: ``tearless config show``, ``tearless train``, ``python -m tearless.main_ppo``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tearless.cli import format_summary
+
+
+def cli(*args, timeout=120, **kwargs):
+    """Run ``tearless <args>`` (the installed console script, else ``python -m tearless.cli``)."""
+    exe = shutil.which("tearless")
+    cmd = [exe] if exe else [sys.executable, "-m", "tearless.cli"]
+    env = {**os.environ, "TEARLESS_CACHE": "/nonexistent/tearless-cache"}  # never build the default task
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
+
+
+def test_config_show_prints_every_key_with_its_doc():
+    proc = cli("config", "show", "data.train_batch_size=32")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "data.train_batch_size = 32\n    prompts per RL step" in out
+    assert "actor_rollout_ref.actor.loss_agg_mode = 'token-mean'" in out
+    assert "algorithm.adv_estimator = 'grpo'" in out
+    assert out.count(" = ") > 80
+
+
+def test_train_help_prints_the_resolved_config(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\n")
+    proc = cli("train", "--config", str(config), "--help", "trainer.total_training_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert "actor_rollout_ref.rollout.n = 4" in proc.stdout
+    assert "trainer.total_training_steps = 3" in proc.stdout
+    assert "discount" in proc.stdout  # the docs come with the values
+
+
+def test_a_config_error_exits_2_with_the_message_and_no_traceback():
+    proc = cli("train", "data.train_batch_sise=3")
+    assert proc.returncode == 2
+    assert "config error: unknown config key 'data.train_batch_sise'" in proc.stderr
+    assert "data.train_batch_size" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_an_unknown_command_is_a_usage_error():
+    proc = cli("fly")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+@pytest.mark.slow
+def test_main_ppo_val_only_validates_the_session_task_and_stops(task, tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tearless.main_ppo",
+            f"actor_rollout_ref.model.path={task.model_dir}",
+            f"data.train_files={task.train_file}",
+            f"data.val_files={task.val_file}",
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.val_only=true",
+            "trainer.logger=[jsonl]",
+            "data.val_max_samples=20",
+            "actor_rollout_ref.rollout.val_kwargs.n=2",
+            "reward_model.num_workers=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 0
+    acc = record["val-core/arithmetic/acc/greedy"]
+    assert 0.0 < acc < 1.0 and acc * 20 == round(acc * 20)  # a count out of 20 prompts
+    assert 0.0 <= record["val-core/arithmetic/acc/pass@1"] <= record["val-core/arithmetic/acc/pass@2"] <= 1
+    assert "val-core/arithmetic/acc/greedy" in proc.stdout  # the summary table
+    assert not list(tmp_path.glob("global_step_*"))  # no training, no checkpoint
+
+
+def test_import_tearless_does_not_import_torch():
+    heavy = "('torch', 'transformers', 'omegaconf')"
+    code = f"import sys, tearless; print(sorted(m for m in {heavy} if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_format_summary_by_hand():
+    text = format_summary(
+        {
+            "run_dir": "runs/x",
+            "steps": 5,
+            "seconds": 61.6,
+            "before": {"val-core/arithmetic/acc/greedy": 0.56, "val-core/arithmetic/reward/greedy": 0.56},
+            "after": {"val-core/arithmetic/acc/greedy": 0.85},
+        }
+    )
+    lines = text.splitlines()
+    assert lines[0].split() == [
+        "val-core/arithmetic/acc/greedy",
+        "before",
+        "0.560",
+        "after",
+        "0.850",
+        "(+29.0",
+        "points)",
+    ]
+    assert lines[1] == "run directory: runs/x (5 steps, 62 s)"
+    assert len(lines) == 2  # reward/* lines are not accuracies

@@ -1,0 +1,212 @@
+"""The DPO trainer: its batch loss against ``dpo_loss`` on log-probs computed by hand, reference
+log-probs computed once, a short run that learns, resume, the command line, and the embedded pairs."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from tearless.algos import dpo_loss
+from tearless.cli import main
+from tearless.config import load_config
+from tearless.config.dpo import DPOConfig
+from tearless.data.pairs import PairDataset
+from tearless.tasks import arithmetic
+from tearless.trainers.dpo import DPOTrainer, preference_step, reference_logps
+from tearless.trainers.tracking import read_metrics
+
+from .tiny import save_tiny_model
+
+DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """A policy and a different reference model (two seeds), and a file of pairs.
+
+    The tiny random models cannot generalise from 24 pairs, so validation runs on the training
+    pairs here; held-out preference accuracy on the embedded task is measured by the benchmark."""
+    root = tmp_path_factory.mktemp("tiny-dpo")
+    policy, ref = save_tiny_model(root / "policy", seed=0), save_tiny_model(root / "ref", seed=1)
+    rows = [
+        {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b - 10)}
+        for a, b in [(a, 9 - a % 7) for a in range(11, 35)]
+    ]
+    (root / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return policy, ref, root
+
+
+def hand_logp(model, ids: list[int], mask: list[int]) -> float:
+    """Σ_t m_t log π(x_t | x_<t) of one unpadded sequence, straight from the logits."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    logps = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    return float((logps * torch.tensor(mask[1:])).sum())
+
+
+@pytest.mark.parametrize(
+    ("kind", "smoothing"), [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)]
+)
+def test_batch_loss_equals_dpo_loss_on_hand_computed_logprobs(dirs, kind, smoothing):
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+
+    tok, model = load_tokenizer(dirs[0]), load_causal_lm(dirs[0])
+    rows = [
+        {"prompt": "12+9=", "chosen": "21", "rejected": "11"},
+        {"prompt": "5+5=", "chosen": "10", "rejected": "100"},
+        {"prompt": "40+2=", "chosen": "42", "rejected": "4"},
+    ]
+    items = [PairDataset(rows, tok)[i] for i in range(3)]
+    ref = {0: (-9.0, -8.0), 1: (-7.5, -12.0), 2: (-6.0, -5.0)}  # any numbers: stored, not recomputed
+    pc = torch.tensor([hand_logp(model, it["chosen_ids"], it["chosen_mask"]) for it in items])
+    pr = torch.tensor([hand_logp(model, it["rejected_ids"], it["rejected_mask"]) for it in items])
+    rc, rr = torch.tensor([ref[i][0] for i in range(3)]), torch.tensor([ref[i][1] for i in range(3)])
+    loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=smoothing, kind=kind)
+    got = preference_step(
+        model, items, ref, pad_token_id=tok.pad_token_id, beta=0.5, label_smoothing=smoothing, kind=kind,
+        micro_batch_size=2, train=False,
+    )  # fmt: skip
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert got["rewards/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
+    assert got["rewards/margins"] == pytest.approx((chosen - rejected).mean().item(), rel=1e-5)
+    assert got["rewards/accuracies"] == pytest.approx((chosen > rejected).float().mean().item())
+    assert got["logps/rejected"] == pytest.approx(pr.mean().item(), rel=1e-5)
+
+
+def test_micro_batching_leaves_the_gradient_unchanged(dirs):
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(dirs[0])
+    data = PairDataset(
+        [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a)} for a in range(5)], tok
+    )
+    items = [data[i] for i in range(5)]
+    ref = {i: (-1.0 * i, -2.0) for i in range(5)}
+    grads = []
+    for micro in (None, 2):
+        model = load_causal_lm(dirs[0])
+        preference_step(model, items, ref, pad_token_id=tok.pad_token_id, beta=0.1, micro_batch_size=micro)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def overrides(dirs, run_dir, *extra: str) -> list[str]:
+    policy, ref, root = dirs
+    return [
+        f"model.path={policy}",
+        f"model.ref_path={ref}",
+        f"data.train_files={root / 'pairs.jsonl'}",
+        f"data.val_files={root / 'pairs.jsonl'}",
+        "data.train_batch_size=8",
+        "data.micro_batch_size_per_gpu=4",
+        "optim.lr=3e-3",
+        "trainer.total_epochs=3",
+        "trainer.save_freq=5",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+        *extra,
+    ]
+
+
+def test_a_short_run_learns_keeps_its_reference_and_resumes(dirs, tmp_path):
+    from tearless.models.loading import load_causal_lm
+
+    args = overrides(dirs, tmp_path / "run")
+    trainer = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
+    # The stored reference log-probs are those of a live forward of model.ref_path, not of the policy.
+    ref_model = load_causal_lm(dirs[1])
+    live = reference_logps(ref_model, trainer.val_set, pad_token_id=trainer.tokenizer.pad_token_id)
+    first = trainer.val_set[0]
+    by_hand = (
+        hand_logp(ref_model, first["chosen_ids"], first["chosen_mask"]),
+        hand_logp(ref_model, first["rejected_ids"], first["rejected_mask"]),
+    )
+    assert trainer.ref["val"][first["index"]] == pytest.approx(by_hand, rel=1e-5)
+    assert trainer.ref["val"] == pytest.approx(live)
+    stored = {k: dict(v) for k, v in trainer.ref.items()}
+    summary = trainer.fit()
+    assert trainer.ref == stored  # computed once, never refreshed
+
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in records if "train/loss" in r]
+    assert len(steps) == 9 and summary["steps"] == 9
+    for key in (*DPO_METRICS, "train/loss", "train/grad_norm", "train/lr"):
+        assert all(math.isfinite(r[key]) for r in steps), key
+    assert steps[-1]["train/loss"] < steps[0]["train/loss"] - 0.1
+    after, before = summary["after"], summary["before"]
+    assert after["val/rewards/accuracies"] > before["val/rewards/accuracies"]
+    assert after["val/loss"] < before["val/loss"]
+
+    from transformers import AutoModelForCausalLM
+
+    final = tmp_path / "run" / "global_step_9"
+    weights = AutoModelForCausalLM.from_pretrained(final / "actor").state_dict()
+    assert torch.load(final / "trainer_state.pt", weights_only=False)["reference_logps"] == stored
+    # Lose the last checkpoint: the rerun resumes at step 5 with the saved reference log-probs
+    # (it never loads the reference model again) and lands on the same weights.
+    shutil.rmtree(final)
+    again = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
+    assert again.start_step == 5 and again.ref == stored
+    again.fit()
+    resumed = AutoModelForCausalLM.from_pretrained(final / "actor").state_dict()
+    assert all(torch.allclose(weights[k], resumed[k], atol=1e-6) for k in weights)
+
+
+def test_reference_free_rewards_are_beta_times_the_policy_logprobs(dirs, tmp_path):
+    args = overrides(dirs, tmp_path / "run", "algorithm.reference_free=true", "model.ref_path=null")
+    trainer = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
+    assert set(trainer.ref["train"].values()) == {(0.0, 0.0)}
+    val = trainer.validate()
+    beta = trainer.cfg.algorithm.beta
+    assert val["val/rewards/chosen"] == pytest.approx(beta * val["val/logps/chosen"], rel=1e-5)
+
+
+def test_cli_config_errors(capsys):
+    assert main(["dpo", "algorithm.loss_type=kto"]) == 2
+    assert "algorithm.loss_type: 'kto' is not one of hinge, ipo, sigmoid" in capsys.readouterr().err
+    assert main(["dpo", "algorithm.loss_type=ipo", "algorithm.label_smoothing=0.1"]) == 2
+    assert "algorithm.label_smoothing: is only defined for loss_type=sigmoid" in capsys.readouterr().err
+    assert main(["dpo", "--help", "algorithm.beta=0.3"]) == 0
+    assert "algorithm.beta = 0.3\n    β" in capsys.readouterr().out
+
+
+def test_embedded_pairs_pit_a_correct_answer_against_an_incorrect_one(task, tmp_path):
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.tasks.preferences import prepare_pairs
+
+    spec = TaskSpec(**task.info["spec"])
+    logs: list[str] = []
+    pairs = prepare_pairs(spec, task, tmp_path, samples_per_prompt=4, log=logs.append)
+    assert any("making preference pairs" in line for line in logs)
+    from tearless.data import load_rows
+
+    for name in ("train_file", "val_file"):
+        rows = load_rows(getattr(pairs, name))
+        assert len(rows) >= 10
+        for row in rows:
+            truth = row["reward_model"]["ground_truth"]
+            assert arithmetic.compute_score(row["chosen"], truth) == 1.0
+            assert arithmetic.compute_score(row["rejected"], truth) == 0.0
+    assert pairs.info["train_pairs"] == len(load_rows(pairs.train_file)) <= spec.num_train
+    logs.clear()
+    assert prepare_pairs(spec, task, tmp_path, samples_per_prompt=4, log=logs.append) == pairs
+    assert logs == []  # cached

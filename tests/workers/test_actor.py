@@ -1,0 +1,187 @@
+"""The actor's update: micro-batching never changes it, and its schedule and splitting are as documented."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tearless.algos import AGG_MODES
+from tearless.config.schema import ActorConfig
+from tearless.data import render_prompt
+from tearless.models.loading import load_causal_lm, load_tokenizer
+from tearless.rollout.hf import HFRollout
+from tearless.workers.actor import Actor, LogProbWorker, lr_lambda, micro_batches
+
+N = 4  # responses per prompt
+
+
+@pytest.fixture(scope="module")
+def model_and_batch(task):
+    return build_batch(task.model_dir)
+
+
+def build_batch(model_dir):
+    """The warmed-up tiny model and a hand-built update batch from a real rollout of it.
+
+    8 prompts × 4 responses sampled at temperature 1; ``old_log_prob`` and ``ref_log_prob`` are the
+    sampler's log-probs shifted by seeded noise, so ratios differ from 1 (some get clipped, dual-clip
+    included) and the KL term is non-zero; advantages are seeded ±1-ish per response.
+    """
+    tok = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir)
+    questions = ["7+8=", "47+38=", "1+2=", "99+99=", "15+6=", "5+55=", "62+29=", "3+4="]
+    prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in questions]
+    gen = torch.Generator().manual_seed(0)
+    out = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id).generate(
+        prompts, n=N, max_new_tokens=16, temperature=1.0, generator=gen
+    )
+    mask = out.response_mask
+    rows = mask.shape[0]
+    noise = torch.randn(out.log_probs.shape, generator=gen)
+    td = TensorDict(
+        {
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_mask,
+            "response_ids": out.response_ids,
+            "response_mask": mask,
+            "old_log_prob": (out.log_probs + 0.3 * noise) * mask,
+            "ref_log_prob": (out.log_probs - 0.2 * noise.abs()) * mask,
+            "advantages": torch.randn(rows, 1, generator=gen).expand_as(mask) * mask,
+        },
+        batch_size=[rows],
+    )
+    # Responses of different lengths, so token-mean and sequence-mean weight rows differently.
+    assert len(set(mask.sum(-1).tolist())) > 1
+    return model, td
+
+
+def updated(model, td, lr=0.1, **actor_cfg):
+    """Run ``update_policy`` on a copy of ``model``; return the copy, its last gradients, the metrics.
+
+    The actor's AdamW is swapped for plain SGD: AdamW's first step is lr·g/(|g|+ε) per entry, which
+    is blind to a wrongly scaled gradient and turns float rounding in entries whose gradient is ~ε
+    into differences of up to lr. With SGD the parameter change is the gradient itself (times lr),
+    so equal parameters mean equal gradients of every mini-batch, the second one taken after the
+    first one's step.
+    """
+    cfg = ActorConfig(
+        ppo_mini_batch_size=actor_cfg.pop("ppo_mini_batch_size"),
+        grad_clip=1e6,  # clipping rescales to unit norm and would hide a wrongly scaled gradient
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        entropy_coeff=0.01,
+        **actor_cfg,
+    )
+    copy_ = copy.deepcopy(model)
+    actor = Actor(copy_, cfg, rollout_n=N, temperature=1.0, total_steps=1)
+    actor.optimizer = torch.optim.SGD(actor.params, lr=lr)
+    actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda _: 1.0)
+    metrics = actor.update_policy(td.clone())
+    grads = [p.grad.clone() for p in actor.params]  # the last mini-batch's gradient
+    return copy_, grads, metrics
+
+
+@pytest.mark.parametrize("loss_agg_mode", list(AGG_MODES))
+@pytest.mark.parametrize("mini", [8, 4], ids=["one-minibatch-on-policy", "two-minibatches-off-policy"])
+def test_micro_batching_and_dynamic_batching_leave_the_update_unchanged(model_and_batch, loss_agg_mode, mini):
+    model, td = model_and_batch
+    common = dict(ppo_mini_batch_size=mini, loss_agg_mode=loss_agg_mode)
+    # token-sum losses are ~100x larger than token-mean ones: scale the step so that every mode moves
+    # the weights by a gradient-norm of 0.1 and one absolute tolerance means the same for all.
+    _, _, probe = updated(model, td, lr=0.0, **common)
+    scale = probe["actor/grad_norm"]
+    common["lr"] = 0.1 / scale
+    whole, whole_grads, whole_metrics = updated(model, td, **common)
+    variants = {
+        "micro=2": dict(ppo_micro_batch_size_per_gpu=2),
+        "micro=8": dict(ppo_micro_batch_size_per_gpu=8),
+        # 40 tokens hold one to three sequences of 9 to 25 tokens: uneven micro-batches.
+        "dynamic=40": dict(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40),
+    }
+    lengths = (td["prompt_mask"].sum(-1) + td["response_mask"].sum(-1)).tolist()
+    assert max(lengths) <= 40
+    for name, extra in variants.items():
+        other, other_grads, other_metrics = updated(model, td, **common, **extra)
+        for (pname, a), b in zip(whole.named_parameters(), other.parameters(), strict=True):
+            torch.testing.assert_close(
+                b, a, atol=1e-6, rtol=0, msg=lambda m, n=name, p=pname: f"{n}: {p}: {m}"
+            )
+        for (pname, _), a, b in zip(whole.named_parameters(), whole_grads, other_grads, strict=True):
+            torch.testing.assert_close(
+                b / scale,
+                a / scale,
+                atol=1e-6,
+                rtol=0,
+                msg=lambda m, n=name, p=pname: f"{n}: grad of {p}: {m}",
+            )
+        for key in (
+            "actor/pg_loss",
+            "actor/entropy",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "actor/pg_clipfrac",
+        ):
+            assert other_metrics[key] == pytest.approx(whole_metrics[key], rel=1e-4, abs=1e-6), (name, key)
+    assert whole_metrics["actor/num_optimizer_steps"] == 8 / mini
+    # Guard against a vacuous pass: the update moved the weights, and clipping was exercised.
+    assert any(not a.equal(b) for a, b in zip(whole.parameters(), model.parameters(), strict=True))
+    if mini == 4:
+        assert whole_metrics["actor/pg_clipfrac"] > 0
+
+
+def test_on_policy_update_ignores_old_log_prob(model_and_batch):
+    # One mini-batch, one epoch: the ratio is exactly 1, so old_log_prob is not needed (not even read).
+    model, td = model_and_batch
+    without = td.exclude("old_log_prob")
+    a, _, ma = updated(model, td, ppo_mini_batch_size=8)
+    b, _, _ = updated(model, without, ppo_mini_batch_size=8)
+    assert all(x.equal(y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+    assert ma["actor/ppo_kl"] == 0.0 and ma["actor/pg_clipfrac"] == 0.0
+
+
+def test_log_prob_worker_micro_batches_give_the_same_log_probs(model_and_batch):
+    model, td = model_and_batch
+    whole, ent = LogProbWorker(model, temperature=0.7).compute_log_prob(td, with_entropy=True)
+    parts, ent_parts = LogProbWorker(model, temperature=0.7, micro_batch_size=3).compute_log_prob(
+        td, with_entropy=True
+    )
+    mask = td["response_mask"].bool()
+    torch.testing.assert_close(parts[mask], whole[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_parts[mask], ent[mask], atol=1e-5, rtol=0)
+    assert whole.shape == mask.shape and (whole[mask] <= 0).all()
+
+
+def _toy_td(lengths_prompt, lengths_response):
+    rows = len(lengths_prompt)
+    pm = torch.zeros(rows, max(lengths_prompt), dtype=torch.long)
+    rm = torch.zeros(rows, max(lengths_response), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(lengths_prompt, lengths_response, strict=True)):
+        pm[i, pm.shape[1] - p :] = 1
+        rm[i, :r] = 1
+    return TensorDict({"prompt_mask": pm, "response_mask": rm, "row": torch.arange(rows)}, batch_size=[rows])
+
+
+def test_micro_batches_by_count_and_by_token_budget():
+    td = _toy_td([2, 3, 2, 1, 3], [3, 1, 4, 2, 5])  # real lengths 5, 4, 6, 3, 8
+    assert [mb["row"].tolist() for mb in micro_batches(td, size=2)] == [[0, 1], [2, 3], [4]]
+    assert [mb["row"].tolist() for mb in micro_batches(td)] == [[0, 1, 2, 3, 4]]
+    # Budget 10: 5+4 fit, +6 does not; 6+3 fit, +8 does not; 8 alone.
+    assert [mb["row"].tolist() for mb in micro_batches(td, token_budget=10)] == [[0, 1], [2, 3], [4]]
+    # A row longer than the budget still gets a micro-batch of its own.
+    assert [mb["row"].tolist() for mb in micro_batches(td, token_budget=5)] == [[0], [1], [2], [3], [4]]
+
+
+def test_lr_schedule_by_hand():
+    warm = lr_lambda(10, 2, "constant", 0.0, 0.5)
+    assert [warm(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    # Cosine after 2 warm-up steps over 10: progress (s-2)/8; half-way (s=6) is 0.5, the end 0.
+    cos = lr_lambda(10, 2, "cosine", 0.0, 0.5)
+    assert cos(2) == pytest.approx(1.0)
+    assert cos(6) == pytest.approx(0.5)
+    assert cos(10) == pytest.approx(0.0, abs=1e-12)
+    floor = lr_lambda(10, 0, "cosine", 0.1, 0.5)
+    assert floor(5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert floor(10) == pytest.approx(0.1)
