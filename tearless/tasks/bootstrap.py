@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from tearless.models.loading import quiet_transformers
 from tearless.tasks import arithmetic
 
 VERSION = 2  # bump when the generator, model recipe or warm-up changes, so stale caches are rebuilt
@@ -174,8 +175,9 @@ def prepare_task(
         losses = supervised_warmup(
             model, tok, train_rows, steps=spec.warmup_steps, seed=spec.seed, forget_carry=spec.forget_carry
         )
-        model.save_pretrained(tmp / "model")
-        tok.save_pretrained(tmp / "model")
+        with quiet_transformers():
+            model.save_pretrained(tmp / "model")
+            tok.save_pretrained(tmp / "model")
         info = {
             "spec": asdict(spec),
             "version": VERSION,
