@@ -1,7 +1,9 @@
 """``tearless <command> key=value …``: the command-line interface.
 
-Commands: ``train`` (RL training, veRL-style dotted overrides), ``config show`` (every key with its
-value and documentation). Heavy imports happen inside the commands so ``tearless --help`` is quick.
+Commands: ``train`` (RL training, veRL-style dotted overrides), ``sft`` and ``dpo`` (the offline
+trainers), ``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
+``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
+and documentation). Heavy imports happen inside the commands so ``tearless --help`` is quick.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     _add_data_parser(sub)
     _add_offline_parsers(sub)
+    _add_report_parsers(sub)
+    _add_samples_parser(sub)
     return p
 
 
@@ -50,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if args.command == "data":
         return _data(args)
+    if args.command == "samples":
+        return _samples(args)
+    if args.command in ("report", "compare"):
+        return _report(args)
     if args.command in ("sft", "dpo"):
         return _offline(args)
     from tearless.config import ConfigError, describe, load_config
@@ -216,6 +224,53 @@ def format_offline_summary(summary: dict) -> str:
         f"{summary.get('seconds', 0):.0f} s); checkpoint: {summary.get('checkpoint', '-')}"
     )
     return "\n".join(lines)
+
+
+def _add_report_parsers(sub: argparse._SubParsersAction) -> None:
+    report = sub.add_parser("report", help="HTML report of a run: plots and a written diagnosis")
+    report.add_argument("run_dir", help="the run directory (trainer.default_local_dir)")
+    report.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
+    comp = sub.add_parser("compare", help="HTML page overlaying the metrics of several runs")
+    comp.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to overlay")
+    comp.add_argument("--out", default="compare.html", help="HTML file to write (default: compare.html)")
+
+
+def _report(args: argparse.Namespace) -> int:
+    """``tearless report`` / ``tearless compare``: write the page, print its path; exit 2 on a
+    directory that is not a run."""
+    from tearless.report.html import RunDirError, compare, write_report
+
+    try:
+        if args.command == "report":
+            page = write_report(args.run_dir, args.out)
+        else:
+            page = compare(args.run_dirs, args.out)
+    except RunDirError as e:
+        print(f"tearless: {e}", file=sys.stderr)
+        return 2
+    print(page)
+    return 0
+
+
+def _add_samples_parser(sub: argparse._SubParsersAction) -> None:
+    samples = sub.add_parser("samples", help="print a run's rollout samples (rollouts.jsonl.gz)")
+    samples.add_argument("run_dir", help="the run directory (trainer.default_local_dir)")
+    samples.add_argument("--step", type=int, help="only this step (default: every step)")
+    pick = samples.add_mutually_exclusive_group()
+    pick.add_argument("--worst", type=int, metavar="K", help="the K lowest-scored samples, lowest first")
+    pick.add_argument("--best", type=int, metavar="K", help="the K highest-scored samples, highest first")
+    samples.add_argument(
+        "--grep", metavar="TEXT", help="only samples whose prompt, response or answer has TEXT"
+    )
+    samples.add_argument("--source", metavar="DS", help="only samples of this data_source")
+
+
+def _samples(args: argparse.Namespace) -> int:
+    from tearless.samples import samples_command
+
+    return samples_command(
+        args.run_dir, step=args.step, worst=args.worst, best=args.best, grep=args.grep, source=args.source
+    )
 
 
 if __name__ == "__main__":

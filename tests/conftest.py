@@ -71,7 +71,7 @@ def trained_run(task, tmp_path_factory):
     """One real GRPO run on the session task, shared by the end-to-end and checkpoint tests.
 
     12 steps of 32 prompts × 8 responses with a low-variance KL loss, checkpoints at steps 6 and
-    12, 5 rollout samples per step in rollouts.jsonl. Returns ``(summary, run_dir)``. With 16
+    12, 5 rollout samples per step in rollouts.jsonl.gz. Returns ``(summary, run_dir)``. With 16
     prompts per step the training reward is too noisy for a 12-step trend (measured over ten seeds:
     it fell in two); with 32 it rose in all ten (+0.01 to +0.13) and greedy held-out accuracy went
     from 0.40 to 0.58-0.70.

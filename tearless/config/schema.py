@@ -263,7 +263,11 @@ class TrainerConfig:
     )
     project_name: str = doc("tearless", "project name (run directory and loggers)")
     experiment_name: str = doc("default", "experiment name (run directory and loggers)")
-    logger: list = doc(["console", "jsonl"], "loggers: console | jsonl | tensorboard | wandb")
+    logger: list = doc(
+        ["console", "jsonl"],
+        "loggers: console | jsonl | tensorboard | wandb | mlflow (mlflow: characters it forbids in "
+        "metric names, such as @, become _; the other loggers keep the original names)",
+    )
     default_local_dir: str = doc(
         "runs/${trainer.project_name}/${trainer.experiment_name}",
         "run directory: metrics, rollout samples and global_step_N checkpoints",
@@ -279,7 +283,12 @@ class TrainerConfig:
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
     log_freq: int = doc(10, "print a metrics table every N steps")
-    num_rollout_samples: int = doc(8, "rollout samples per step written to rollouts.jsonl")
+    num_rollout_samples: int = doc(
+        8, "rollout samples per step written to rollouts.jsonl.gz (tearless samples RUN_DIR); 0 = none"
+    )
+    rollout_log_max_mb: float = doc(
+        100.0, "stop writing rollout samples once rollouts.jsonl.gz would pass this size in MiB; 0 = no cap"
+    )
     critic_warmup: int = doc(0, "steps at the start that update only the critic")
     nnodes: int = doc(1, "nodes (single-process placement: 1)")
     n_gpus_per_node: int = doc(1, "devices per node (single-process placement: 1)")

@@ -16,7 +16,7 @@ ESTIMATORS = (
     "opo",
     "grpo_passk",
 )
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
 def _fail(key: str, problem: str, fix: str) -> None:

@@ -53,6 +53,15 @@ def data_metrics(
     return out
 
 
+def zero_variance_group_ratio(scores: torch.Tensor, uids: list[str]) -> float:
+    """Share of prompt groups whose responses all got the same score: for GRPO-style estimators
+    their advantages are zero, so they carry no learning signal."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for score, uid in zip(scores.tolist(), uids, strict=True):
+        groups[uid].append(score)
+    return sum(max(v) == min(v) for v in groups.values()) / max(1, len(groups))
+
+
 class Timer:
     """Collects ``timing_s/<name>`` for each phase of a step."""
 

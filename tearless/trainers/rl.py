@@ -34,7 +34,8 @@ from tearless.models.value import load_value_model
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
-from tearless.trainers.metrics import Timer, data_metrics, pass_at_k
+from tearless.trainers.metrics import Timer, data_metrics, pass_at_k, zero_variance_group_ratio
+from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import Actor, LogProbWorker, reward_kl
 from tearless.workers.critic import Critic, critic_value_stats, explained_variance
@@ -256,8 +257,9 @@ class RLTrainer:
     # ---------------------------------------------------------------- one RL step
     def score(
         self, items: list[dict], out: RolloutOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, dict, list[str]]:
-        """Decode and score responses; return scores (B,), correctness (B,), reward metrics, texts."""
+    ) -> tuple[torch.Tensor, torch.Tensor, dict, list[str], list[dict]]:
+        """Decode and score responses; return scores (B,), correctness (B,), reward metrics, texts and
+        each response's reward components (the scorer's extra keys)."""
         texts = [
             self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
             for ids, m in zip(out.response_ids, out.response_mask, strict=True)
@@ -284,7 +286,7 @@ class RLTrainer:
                 extras[k].append(float(v))
         metrics = {f"reward_extra/{k}/mean": sum(v) / len(v) for k, v in extras.items()}
         metrics["reward/failures"] = float(sum(r.error is not None for r in results))
-        return scores, correct, metrics, texts
+        return scores, correct, metrics, texts, [{k: float(v) for k, v in r.extra.items()} for r in results]
 
     def _next_prompts(self) -> list[dict]:
         epoch, i = divmod(self.batches_consumed, self.loader.num_batches)
@@ -293,11 +295,20 @@ class RLTrainer:
 
     def collect(
         self, step: int, timer: Timer
-    ) -> tuple[list[dict], RolloutOutput, list[str], torch.Tensor, torch.Tensor, dict[str, float], list[str]]:
+    ) -> tuple[
+        list[dict],
+        RolloutOutput,
+        list[str],
+        torch.Tensor,
+        torch.Tensor,
+        dict[str, float],
+        list[str],
+        list[dict],
+    ]:
         """Generate and score one step's responses.
 
-        Returns (items, rollout, uids, scores, correct, reward metrics, texts), one entry per response,
-        the ``n`` responses of a prompt adjacent and sharing a uid. With
+        Returns (items, rollout, uids, scores, correct, reward metrics, texts, reward components), one
+        entry per response, the ``n`` responses of a prompt adjacent and sharing a uid. With
         ``algorithm.filter_groups.enable`` (DAPO's dynamic sampling), groups whose scores are all equal
         carry no GRPO signal and are dropped, and more prompts are drawn until
         ``data.train_batch_size`` groups are kept or ``max_num_gen_batches`` rounds have run.
@@ -323,13 +334,13 @@ class RLTrainer:
             items = [p for p in prompts for _ in range(n)]
             uids = [f"{step}-{rounds}-{i // n}" for i in range(len(items))]
             with timer("reward"):
-                scores, correct, metrics, texts = self.score(items, out)
+                scores, correct, metrics, texts, extras = self.score(items, out)
             if not fg.enable:
-                return items, out, uids, scores, correct, metrics, texts
+                return items, out, uids, scores, correct, metrics, texts, extras
             keep = filter_groups(scores, uids).nonzero().squeeze(-1)
             keep = keep[: (target - kept_prompts) * n]
             kept_prompts += len(keep) // n
-            parts.append((keep, items, out, uids, scores, correct, metrics, texts))
+            parts.append((keep, items, out, uids, scores, correct, metrics, texts, extras))
             if kept_prompts >= target or (fg.max_num_gen_batches > 0 and rounds >= fg.max_num_gen_batches):
                 break
         if kept_prompts == 0:
@@ -337,12 +348,13 @@ class RLTrainer:
                 f"algorithm.filter_groups: every group of {drawn} prompts had equal scores after {rounds} "
                 "generation rounds; raise algorithm.filter_groups.max_num_gen_batches or check the reward"
             )
-        items, uids, texts, outs, score_parts, correct_parts = [], [], [], [], [], []
-        for keep, p_items, p_out, p_uids, p_scores, p_correct, _, p_texts in parts:
+        items, uids, texts, extras, outs, score_parts, correct_parts = [], [], [], [], [], [], []
+        for keep, p_items, p_out, p_uids, p_scores, p_correct, _, p_texts, p_extras in parts:
             rows = keep.tolist()
             items += [p_items[j] for j in rows]
             uids += [p_uids[j] for j in rows]
             texts += [p_texts[j] for j in rows]
+            extras += [p_extras[j] for j in rows]
             outs.append(select_rows(p_out, keep))
             score_parts.append(p_scores[keep])
             correct_parts.append(p_correct[keep])
@@ -351,14 +363,14 @@ class RLTrainer:
         metrics = dict(parts[-1][6])
         metrics["train/num_gen_batches"] = float(rounds)
         metrics["train/kept_prompt_ratio"] = kept_prompts / drawn
-        return items, out, uids, scores, correct, metrics, texts
+        return items, out, uids, scores, correct, metrics, texts, extras
 
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step: collect → old/ref log-probs and values → advantages → critic and actor updates."""
         cfg, alg = self.cfg, self.cfg.algorithm
         timer = Timer()
         with timer("step"):
-            items, out, uids, scores, correct, metrics, texts = self.collect(step, timer)
+            items, out, uids, scores, correct, metrics, texts, extras = self.collect(step, timer)
             mask = out.response_mask
             last = (mask.sum(-1) - 1).clamp(min=0)
             token_scores = torch.zeros(mask.shape, dtype=torch.float32)
@@ -428,6 +440,7 @@ class RLTrainer:
                 correct=correct,
             )
         )
+        metrics["train/zero_variance_group_ratio"] = zero_variance_group_ratio(scores, uids)
         metrics.update(timer.metrics())
         tokens = int(out.prompt_mask.sum() + mask.sum())
         metrics.update(
@@ -437,7 +450,7 @@ class RLTrainer:
                 "perf/throughput": tokens / max(timer.seconds["step"], 1e-9),
             }
         )
-        self._dump_samples(step, items, uids, texts, scores, advantages, mask, out.truncated)
+        self._dump_samples(step, items, uids, texts, scores, extras, advantages, mask, out.truncated)
         return metrics
 
     def _remax_baselines(self, prompts: list[dict], step: int) -> torch.Tensor:
@@ -445,34 +458,33 @@ class RLTrainer:
         out = self.rollout.generate(
             [p["input_ids"] for p in prompts], n=1, max_new_tokens=self.response_length, do_sample=False
         )
-        scores, _, _, _ = self.score(prompts, out)
+        scores, _, _, _, _ = self.score(prompts, out)
         return scores.repeat_interleave(self.cfg.actor_rollout_ref.rollout.n)
 
-    def _dump_samples(self, step, items, uids, texts, scores, advantages, mask, truncated) -> None:
-        keep = self.cfg.trainer.num_rollout_samples
-        if keep <= 0:
-            return
-        lines = []
-        for i in range(min(keep, len(items))):
+    def _dump_samples(self, step, items, uids, texts, scores, extras, advantages, mask, truncated) -> None:
+        """Append up to ``trainer.num_rollout_samples`` of this step's samples to the rollout records,
+        unless the file has reached ``trainer.rollout_log_max_mb``."""
+        t = self.cfg.trainer
+        records = []
+        for i in range(min(t.num_rollout_samples, len(items))):
             valid = mask[i].bool()
-            lines.append(
-                json.dumps(
-                    {
-                        "step": step,
-                        "uid": uids[i],
-                        "data_source": items[i]["data_source"],
-                        "prompt": self.tokenizer.decode(items[i]["input_ids"], skip_special_tokens=False),
-                        "response": texts[i],
-                        "ground_truth": str(items[i]["ground_truth"]),
-                        "score": float(scores[i]),
-                        "advantage": float(advantages[i][valid][0]) if valid.any() else 0.0,
-                        "response_length": int(valid.sum()),
-                        "truncated": bool(truncated[i]),
-                    }
-                )
-            )
-        with open(self.run_dir / "rollouts.jsonl", "a") as f:
-            f.write("\n".join(lines) + "\n")
+            record = {
+                "step": step,
+                "uid": uids[i],
+                "data_source": items[i]["data_source"],
+                "prompt": self.tokenizer.decode(items[i]["input_ids"], skip_special_tokens=False),
+                "response": texts[i],
+                "ground_truth": str(items[i]["ground_truth"]),
+                "score": float(scores[i]),
+                "reward_extra": extras[i],
+                "advantage": float(advantages[i][valid][0]) if valid.any() else 0.0,
+                "response_length": int(valid.sum()),
+                "truncated": bool(truncated[i]),
+            }
+            if "tool_calls" in items[i]:
+                record["tool_calls"] = items[i]["tool_calls"]
+            records.append(record)
+        append_step(self.run_dir / ROLLOUTS_FILE, records, int(t.rollout_log_max_mb * 2**20))
 
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
@@ -514,7 +526,7 @@ class RLTrainer:
             out = self.rollout.generate(
                 [it["input_ids"] for it in chunk], n=n, max_new_tokens=self.response_length, **sampling
             )
-            scores, correct, _, _ = self.score([it for it in chunk for _ in range(n)], out)
+            scores, correct, _, _, _ = self.score([it for it in chunk for _ in range(n)], out)
             for j, it in enumerate(chunk):
                 rows = slice(j * n, (j + 1) * n)
                 per_source[it["data_source"]].append((float(scores[rows].mean()), int(correct[rows].sum())))
@@ -527,8 +539,8 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint we start from are replayed, so their old records go (all of them
         # when starting from scratch in a used directory).
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
-            truncate_jsonl(self.run_dir / name, self.start_step if self.start_step > 0 else -1)
+        truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step if self.start_step > 0 else -1)
+        truncate_records(self.run_dir / ROLLOUTS_FILE, self.start_step if self.start_step > 0 else -1)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))
         tracker = Tracker(
             self.run_dir,

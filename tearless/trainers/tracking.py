@@ -1,7 +1,9 @@
-"""Metric sinks: console (progress bar + a table every few steps), JSONL (always), TensorBoard, W&B.
+"""Metric sinks: console (progress bar + a table every few steps), JSONL (always), TensorBoard, W&B, MLflow.
 
 The JSONL file gets one complete line per step, written in a single call and flushed, so a crash
-can at worst leave a torn last line, which :func:`read_metrics` skips.
+can at worst leave a torn last line, which :func:`read_metrics` skips. Every logger gets the same
+metric names, except that MLflow forbids some characters (``mean@4``): :func:`mlflow_name` maps
+each of them to ``_``.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,14 @@ KEY_METRICS = {
     "actor/entropy": "entropy",
     "response_length/mean": "len",
     "timing_s/step": "s/step",
+    "perf/throughput": "tok/s",
 }
+_MLFLOW_FORBIDDEN = re.compile(r"[^\w\-. /]")
+
+
+def mlflow_name(key: str) -> str:
+    """A metric name MLflow accepts (letters, digits, ``_ - . /`` and space): others become ``_``."""
+    return _MLFLOW_FORBIDDEN.sub("_", key)
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
@@ -105,6 +115,9 @@ class Tracker:
                     "pip install 'tearless[logging]' (WANDB_MODE=offline works without network)"
                 ) from e
             self.wandb = wandb.init(project=project, name=experiment, config=config, dir=str(self.run_dir))
+        self.mlflow = None
+        if "mlflow" in loggers:
+            self.mlflow = _start_mlflow(self.run_dir, config, project, experiment)
 
     def start_at(self, step: int) -> None:
         if self.bar is not None:
@@ -121,6 +134,11 @@ class Tracker:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
+        if self.mlflow is not None:
+            scalars = {
+                mlflow_name(k): v for k, v in clean.items() if isinstance(v, float) and math.isfinite(v)
+            }
+            self.mlflow.log_metrics(scalars, step=step)
         if self.bar is not None and any(k in clean for k in self.key_metrics):
             self.bar.set_postfix(
                 {short: _fmt(clean[k]) for k, short in self.key_metrics.items() if k in clean}, refresh=False
@@ -149,3 +167,23 @@ class Tracker:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.end_run()
+
+
+def _start_mlflow(run_dir: Path, config: dict, project: str, experiment: str):
+    """Start an MLflow run (experiment = project, run name = experiment) and return the module.
+
+    Without ``MLFLOW_TRACKING_URI`` the run is stored in ``<run_dir>/mlruns`` rather than the working
+    directory.
+    """
+    try:
+        import mlflow
+    except ImportError as e:
+        raise ImportError("trainer.logger has mlflow but it is not installed: pip install mlflow") from e
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+    mlflow.set_experiment(project)
+    mlflow.start_run(run_name=experiment)
+    mlflow.log_dict(config, "config.json")
+    return mlflow

@@ -128,7 +128,7 @@ def test_micro_batch_must_divide_the_mini_batch_responses():
         (["actor_rollout_ref.rollout.temperature=0"], "temperature", "> 0"),
         (["data.truncation=cut"], "data.truncation", "middle"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "global_step_N"),
-        (["trainer.logger=[console,mlflow]"], "trainer.logger", "tensorboard"),
+        (["trainer.logger=[console,neptune]"], "trainer.logger", "tensorboard"),
         (["trainer.n_gpus_per_node=8"], "trainer.n_gpus_per_node", "one device"),
         (["reward_model.enable=true"], "reward_model.model.path", "needs a model"),
         (["reward_model.timeout_s=0"], "reward_model.timeout_s", "> 0"),

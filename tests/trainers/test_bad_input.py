@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import pyarrow as pa
@@ -13,6 +12,7 @@ from tearless import train
 from tearless.config import ConfigError
 from tearless.data import DataError, load_rows, write_jsonl, write_parquet
 from tearless.tasks import arithmetic
+from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics
 
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_max_samples=8")
@@ -116,7 +116,7 @@ def test_a_reward_function_that_raises_fails_only_its_samples(overrides, tmp_pat
     )
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
-    samples = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    samples = read_records(tmp_path / "run" / "rollouts.jsonl.gz")
     for r in records:
         assert 0 < r["reward/failures"] < 32  # 8 prompts × 4 responses; only odd sums fail
         assert r["reward/failures"] % 4 == 0  # a prompt's 4 responses fail together

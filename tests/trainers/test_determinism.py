@@ -31,7 +31,7 @@ def test_the_same_config_twice_gives_identical_metrics_samples_and_weights(overr
     ma, mb = read_metrics(a / "metrics.jsonl"), read_metrics(b / "metrics.jsonl")
     assert [r["step"] for r in ma] == [0, 1, 2, 3]
     assert comparable(ma) == comparable(mb)
-    assert (a / "rollouts.jsonl").read_text() == (b / "rollouts.jsonl").read_text()
+    assert (a / "rollouts.jsonl.gz").read_bytes() == (b / "rollouts.jsonl.gz").read_bytes()
     wa = load_file(a / "global_step_3" / "actor" / "model.safetensors")
     wb = load_file(b / "global_step_3" / "actor" / "model.safetensors")
     assert all(wa[k].equal(wb[k]) for k in wa)

@@ -12,6 +12,7 @@ import math
 import pytest
 
 from tearless.tasks.arithmetic import compute_score
+from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -117,7 +118,7 @@ def test_metric_values_agree_with_each_other_and_with_the_config(records):
 
 def test_rollout_samples_are_written_for_every_step(trained_run):
     _, run_dir = trained_run
-    lines = [json.loads(x) for x in (run_dir / "rollouts.jsonl").read_text().splitlines()]
+    lines = read_records(run_dir / "rollouts.jsonl.gz")
     per_step = {}
     for rec in lines:
         per_step.setdefault(rec["step"], []).append(rec)
@@ -134,6 +135,8 @@ def test_rollout_samples_are_written_for_every_step(trained_run):
         # Re-score the logged response: the sample's score is the rule's verdict.
         assert rec["score"] == compute_score(rec["response"], rec["ground_truth"])
         assert 1 <= rec["response_length"] <= 16
+        assert rec["reward_extra"] == {}  # the arithmetic rule reports no reward components
+        assert isinstance(rec["truncated"], bool) and isinstance(rec["advantage"], float)
 
 
 def test_run_directory_holds_config_and_checkpoints(trained_run):

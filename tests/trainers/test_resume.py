@@ -12,7 +12,6 @@ steps and every setting are the same in both runs; only the kill differs.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tearless import train
+from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -136,8 +136,7 @@ def test_resumed_metrics_equal_the_uninterrupted_run_and_each_step_is_logged_onc
 def test_resume_does_not_duplicate_rollout_samples(runs):
     # The killed run wrote step 3's samples before dying; the resumed run replays step 3.
     for run in ("full", "crashed"):
-        lines = (runs[run] / "rollouts.jsonl").read_text().splitlines()
-        steps = [json.loads(x)["step"] for x in lines]
+        steps = [r["step"] for r in read_records(runs[run] / "rollouts.jsonl.gz")]
         assert steps == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4], (run, steps)
 
 

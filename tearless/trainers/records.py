@@ -1,0 +1,82 @@
+"""Rollout records: each step's samples as gzip-compressed JSONL, ``rollouts.jsonl.gz`` in the run directory.
+
+Every step is appended as its own gzip member (concatenated members are a valid gzip file), written
+in one call and flushed, so a crash loses at most the step being written; :func:`read_records`
+keeps every complete member and skips a torn last one. Members carry no timestamp, so the same run
+writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+ROLLOUTS_FILE = "rollouts.jsonl.gz"
+
+
+def encode_step(records: list[dict]) -> bytes:
+    """One gzip member holding ``records`` as JSON lines."""
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    return gzip.compress(text.encode(), mtime=0)
+
+
+def append_step(path: str | os.PathLike, records: list[dict], max_bytes: int = 0) -> bool:
+    """Append one step's records as a gzip member; return False (writing nothing) when the file would
+    pass ``max_bytes`` (0 = no cap)."""
+    if not records:
+        return True
+    data = encode_step(records)
+    p = Path(path)
+    if max_bytes > 0 and (p.stat().st_size if p.exists() else 0) + len(data) > max_bytes:
+        return False
+    with open(p, "ab") as f:
+        f.write(data)
+        f.flush()
+    return True
+
+
+def _members(raw: bytes) -> Iterator[bytes]:
+    """The decompressed payload of each complete gzip member of ``raw``; stops at a torn one."""
+    while raw:
+        d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        try:
+            payload = d.decompress(raw) + d.flush()
+        except zlib.error:
+            return
+        if not d.eof:
+            return
+        yield payload
+        raw = d.unused_data
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """Every record of the complete members of a rollouts file (none when it does not exist)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    records = []
+    for payload in _members(p.read_bytes()):
+        for line in payload.decode(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def truncate_records(path: str | os.PathLike, last_step: int) -> None:
+    """Keep the records of steps ≤ ``last_step`` (-1 empties the file), rewriting it atomically."""
+    p = Path(path)
+    if not p.exists():
+        return
+    by_step: dict[int, list[dict]] = {}
+    for r in read_records(p):
+        if r.get("step", 0) <= last_step:
+            by_step.setdefault(r.get("step", 0), []).append(r)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(b"".join(encode_step(by_step[s]) for s in sorted(by_step)))
+    os.replace(tmp, p)

@@ -1,0 +1,1 @@
+"""Tests of tearless.report: diagnoses, the HTML report, compare and the CLI."""

@@ -1,0 +1,100 @@
+"""``tearless samples RUN_DIR``: selection and printing on a synthetic run directory."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from tearless.cli import main
+from tearless.samples import format_plain, print_samples, select_samples
+from tearless.trainers.records import ROLLOUTS_FILE, append_step
+
+# Two steps of three samples; scores are chosen so that worst/best orders are unambiguous.
+SAMPLES = [
+    (1, "3+4=", "answer 7", 1.0, "arithmetic"),
+    (1, "9+9=", "answer 17", 0.0, "arithmetic"),
+    (1, "def f", "return 1", 0.5, "code"),
+    (2, "2+2=", "answer 4", 0.9, "arithmetic"),
+    (2, "5+5=", "answer 11", -1.0, "arithmetic"),
+    (2, "def g", "return 2", 0.7, "code"),
+]
+
+
+def record(step, prompt, response, score, source):
+    return {
+        "step": step,
+        "uid": f"{step}-1-0",
+        "data_source": source,
+        "prompt": prompt,
+        "response": response,
+        "ground_truth": "x",
+        "score": score,
+        "reward_extra": {"acc": float(score >= 1)},
+        "advantage": score - 0.5,
+        "response_length": 3,
+        "truncated": score < 0,
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    for step in (1, 2):
+        append_step(tmp_path / ROLLOUTS_FILE, [record(*s) for s in SAMPLES if s[0] == step])
+    return tmp_path
+
+
+def responses(out: str) -> list[str]:
+    """The responses in the order they were printed."""
+    found = [(out.index(s[2]), s[2]) for s in SAMPLES if s[2] in out]
+    return [r for _, r in sorted(found)]
+
+
+def run(capsys, *args) -> tuple[int, str]:
+    code = main(["samples", *map(str, args)])
+    return code, capsys.readouterr().out
+
+
+def test_worst_and_best_order_by_score(run_dir, capsys):
+    code, out = run(capsys, run_dir, "--worst", 2)
+    assert code == 0 and responses(out) == ["answer 11", "answer 17"]
+    code, out = run(capsys, run_dir, "--best", 2, "--step", 2)
+    assert code == 0 and responses(out) == ["answer 4", "return 2"]
+
+
+def test_grep_and_source_filter(run_dir, capsys):
+    code, out = run(capsys, run_dir, "--grep", "ANSWER 1")  # case-insensitive: 17 and 11
+    assert code == 0 and responses(out) == ["answer 17", "answer 11"]
+    code, out = run(capsys, run_dir, "--source", "code", "--worst", 1)
+    assert code == 0 and responses(out) == ["return 1"]
+
+
+def test_nothing_to_show_is_an_error_with_the_reason(run_dir, tmp_path, capsys):
+    assert main(["samples", str(run_dir), "--step", "9"]) == 1
+    assert "no sample matches (steps 1–2" in capsys.readouterr().err
+    assert main(["samples", str(tmp_path / "nowhere")]) == 1
+    assert "no rollout records" in capsys.readouterr().err
+
+
+def test_plain_and_rich_show_the_same_fields():
+    chosen = select_samples([record(*s) for s in SAMPLES], step=2, worst=1)
+    plain = format_plain(chosen)
+    assert plain.splitlines()[0].startswith("── step 2 · uid 2-1-0 · arithmetic · score -1.000")
+    assert "(truncated)" in plain and "reward components: acc=0" in plain
+    stream = io.StringIO()
+    print_samples(chosen, stream=stream, use_rich=True)
+    for text in ("5+5=", "answer 11", "reward components", "acc=0"):
+        assert text in stream.getvalue()
+
+
+def test_the_installed_command_runs(run_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tearless.cli", "samples", str(run_dir), "--best", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "answer 7" in proc.stdout and "answer 4" not in proc.stdout
