@@ -80,21 +80,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def format_summary(summary: dict) -> str:
-    """Held-out accuracy before vs after, and where the run lives."""
+def format_summary(summary: dict, *, accuracies_only: bool = True, digits: int = 3) -> str:
+    """Held-out metrics before vs after (accuracies gain a change in points), where the run lives,
+    and its last checkpoint if the summary names one."""
     lines = []
     before, after = summary.get("before", {}), summary.get("after", {})
     for key in sorted(set(before) | set(after)):
-        if "/acc/" in key:
-            b, a = before.get(key), after.get(key)
-            change = f"  ({(a - b) * 100:+.1f} points)" if a is not None and b is not None else ""
-            fb = "-" if b is None else f"{b:.3f}"
-            fa = "-" if a is None else f"{a:.3f}"
-            lines.append(f"{key:<40} before {fb}  after {fa}{change}")
-    lines.append(
-        f"run directory: {summary['run_dir']} ({summary.get('steps', 0)} steps, "
-        f"{summary.get('seconds', 0):.0f} s)"
-    )
+        is_accuracy = "/acc/" in key
+        if accuracies_only and not is_accuracy:
+            continue
+        b, a = before.get(key), after.get(key)
+        both = a is not None and b is not None
+        change = f"  ({(a - b) * 100:+.1f} points)" if is_accuracy and both else ""
+        fb = "-" if b is None else f"{b:.{digits}f}"
+        fa = "-" if a is None else f"{a:.{digits}f}"
+        lines.append(f"{key:<40} before {fb}  after {fa}{change}")
+    steps, seconds = summary.get("steps", 0), summary.get("seconds", 0)
+    where = f"run directory: {summary['run_dir']} ({steps} steps, {seconds:.0f} s)"
+    if not accuracies_only:
+        where += f"; checkpoint: {summary.get('checkpoint', '-')}"
+    lines.append(where)
     return "\n".join(lines)
 
 
@@ -206,24 +211,8 @@ def _offline(args: argparse.Namespace) -> int:
     else:
         from tearless.trainers.dpo import DPOTrainer as trainer
     summary = trainer(cfg).fit()
-    print(format_offline_summary(summary))
+    print(format_summary(summary, accuracies_only=False, digits=4))
     return 0
-
-
-def format_offline_summary(summary: dict) -> str:
-    """Every held-out metric before vs after, and where the run and its last checkpoint live."""
-    before, after = summary.get("before", {}), summary.get("after", {})
-    lines = []
-    for key in sorted(set(before) | set(after)):
-        b, a = before.get(key), after.get(key)
-        fb = "-" if b is None else f"{b:.4f}"
-        fa = "-" if a is None else f"{a:.4f}"
-        lines.append(f"{key:<40} before {fb}  after {fa}")
-    lines.append(
-        f"run directory: {summary['run_dir']} ({summary.get('steps', 0)} steps, "
-        f"{summary.get('seconds', 0):.0f} s); checkpoint: {summary.get('checkpoint', '-')}"
-    )
-    return "\n".join(lines)
 
 
 def _add_report_parsers(sub: argparse._SubParsersAction) -> None:
