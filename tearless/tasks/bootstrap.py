@@ -14,6 +14,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,12 @@ class TaskSpec:
     seed: int = 1
     hidden_size: int = 128
     num_layers: int = 2
+
+    @classmethod
+    def from_config(cls, task: Any, **fields: Any) -> TaskSpec:
+        """The spec of a trainer's ``task`` config section (``fields`` adds or overrides fields)."""
+        common = ("name", "num_train", "num_val", "warmup_steps", "forget_carry")
+        return cls(**{name: getattr(task, name) for name in common}, **fields)
 
     def key(self) -> str:
         blob = json.dumps({**asdict(self), "version": VERSION}, sort_keys=True)
@@ -81,6 +88,19 @@ def tiny_llama(
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def task_model(spec: TaskSpec, tokenizer: Any) -> torch.nn.Module:
+    """The task's tiny Llama for ``tokenizer``, freshly initialised (the warm-up's starting point)."""
+    return tiny_llama(
+        len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        seed=spec.seed,
+    )
 
 
 def task_rows(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
@@ -163,15 +183,7 @@ def prepare_task(
         write_parquet(train_rows, tmp / "train.parquet")
         write_parquet(val_rows, tmp / "test.parquet")
         tok = build_char_tokenizer()
-        model = tiny_llama(
-            len(tok),
-            hidden_size=spec.hidden_size,
-            num_layers=spec.num_layers,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=tok.bos_token_id,
-            seed=spec.seed,
-        )
+        model = task_model(spec, tok)
         losses = supervised_warmup(
             model, tok, train_rows, steps=spec.warmup_steps, seed=spec.seed, forget_carry=spec.forget_carry
         )

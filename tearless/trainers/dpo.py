@@ -164,13 +164,7 @@ class DPOTrainer:
         from tearless.tasks.preferences import prepare_pairs
 
         task = cfg.task
-        spec = TaskSpec(
-            name=task.name,
-            num_train=task.num_train,
-            num_val=task.num_val,
-            warmup_steps=task.warmup_steps,
-            forget_carry=task.forget_carry,
-        )
+        spec = TaskSpec.from_config(task)
         files = prepare_task(spec, task.cache_dir, fresh=task.fresh, log=self.log)
         if data.train_files is not None:
             return files.model_dir, data.train_files, data.val_files, data.val_prompt_files

@@ -15,6 +15,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from tearless.trainers.tracking import parse_jsonl
+
 ROLLOUTS_FILE = "rollouts.jsonl.gz"
 
 
@@ -58,14 +60,7 @@ def read_records(path: str | os.PathLike) -> list[dict]:
     p = Path(path)
     if not p.exists():
         return []
-    records = []
-    for payload in _members(p.read_bytes()):
-        for line in payload.decode(errors="replace").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
+    return [r for payload in _members(p.read_bytes()) for r in parse_jsonl(payload.decode(errors="replace"))]
 
 
 def truncate_records(path: str | os.PathLike, last_step: int) -> None:

@@ -156,13 +156,7 @@ class RLTrainer:
             from tearless.tasks.bootstrap import TaskSpec, prepare_task
 
             task = cfg.task
-            spec = TaskSpec(
-                name=task.name,
-                num_train=task.num_train,
-                num_val=task.num_val,
-                warmup_steps=task.warmup_steps,
-                forget_carry=task.forget_carry,
-            )
+            spec = TaskSpec.from_config(task)
             files = prepare_task(spec, task.cache_dir, fresh=task.fresh, log=self.log)
             model_path = model_path or files.model_dir
             if train_files is None:

@@ -211,15 +211,8 @@ class SFTTrainer:
         from tearless.tasks.bootstrap import TaskSpec
 
         task = self.cfg.task
-        return TaskSpec(
-            name=task.name,
-            num_train=task.num_train,
-            num_val=task.num_val,
-            warmup_steps=task.warmup_steps,
-            forget_carry=task.forget_carry,
-            seed=self.cfg.trainer.seed,
-            hidden_size=task.hidden_size,
-            num_layers=task.num_layers,
+        return TaskSpec.from_config(
+            task, seed=self.cfg.trainer.seed, hidden_size=task.hidden_size, num_layers=task.num_layers
         )
 
     def _embedded(self) -> tuple[list[dict], list[dict], list[dict]]:
@@ -238,18 +231,9 @@ class SFTTrainer:
 
     def _fresh_model(self) -> torch.nn.Module:
         """The embedded task's tiny Llama, freshly initialised (the warm-up's starting point)."""
-        from tearless.tasks.bootstrap import tiny_llama
+        from tearless.tasks.bootstrap import task_model
 
-        spec, tok = self._spec(), self.tokenizer
-        return tiny_llama(
-            len(tok),
-            hidden_size=spec.hidden_size,
-            num_layers=spec.num_layers,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            bos_token_id=tok.bos_token_id,
-            seed=spec.seed,
-        )
+        return task_model(self._spec(), self.tokenizer)
 
     def train_step(self, items: list[dict]) -> dict[str, float]:
         started = time.perf_counter()

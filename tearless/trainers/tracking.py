@@ -33,18 +33,21 @@ def mlflow_name(key: str) -> str:
     return _MLFLOW_FORBIDDEN.sub("_", key)
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a metrics JSONL file (a torn last line is skipped)."""
+def parse_jsonl(text: str) -> list[dict]:
+    """The records of JSON-lines text; a line that does not parse (a torn last line) is skipped."""
     records = []
-    p = Path(path)
-    if not p.exists():
-        return records
-    for line in p.read_text().splitlines():
+    for line in text.splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return records
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """All complete records of a metrics JSONL file (a torn last line is skipped)."""
+    p = Path(path)
+    return parse_jsonl(p.read_text()) if p.exists() else []
 
 
 def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
