@@ -73,9 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "config" or getattr(args, "help", False):
         print(describe(cfg))
         return 0
-    from tearless.trainers.rl import RLTrainer
+    from tearless.data.rows import DataError
+    from tearless.trainers.checkpoint import CheckpointError
+    from tearless.trainers.rl import RLTrainer, TrainingStopped
 
-    summary = RLTrainer(cfg).fit()
+    try:
+        summary = RLTrainer(cfg).fit()
+    except (DataError, CheckpointError, TrainingStopped, FileNotFoundError, FileExistsError) as e:
+        # Bad input and clean stops carry their own explanation; a traceback would only bury it.
+        print(f"tearless: error: {e}", file=sys.stderr)
+        return 1
     print(format_summary(summary))
     return 0
 

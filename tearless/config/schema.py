@@ -290,6 +290,11 @@ class TrainerConfig:
         100.0, "stop writing rollout samples once rollouts.jsonl.gz would pass this size in MiB; 0 = no cap"
     )
     critic_warmup: int = doc(0, "steps at the start that update only the critic")
+    max_bad_steps: int = doc(
+        5,
+        "stop after this many RL steps in a row whose loss or gradient norm was not finite (each such "
+        "optimizer step is skipped and counted); the stop saves a checkpoint first. 0 = never stop",
+    )
     nnodes: int = doc(1, "nodes (single-process placement: 1)")
     n_gpus_per_node: int = doc(1, "devices per node (single-process placement: 1)")
 

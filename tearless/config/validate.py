@@ -57,6 +57,7 @@ def validate(cfg: Config) -> None:
     ]:
         _positive(key, value)
     _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
+    _positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
     for key, value in [
         ("trainer.total_training_steps", cfg.trainer.total_training_steps),
         ("data.val_batch_size", data.val_batch_size),

@@ -141,6 +141,12 @@ class RewardManager:
         self.timeout_s = float(timeout_s)
         self.failure_score = float(failure_score)
         self.reward_kwargs = reward_kwargs
+        self._lost_closed = 0  # lost workers of pools already closed
+
+    @property
+    def lost_workers(self) -> int:
+        """Worker processes that died while scoring (each of their samples rescored once), so far."""
+        return self._lost_closed + (self._pool.lost if self._pool is not None else 0)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -177,6 +183,7 @@ class RewardManager:
         """Stop the worker processes; a later :meth:`score` call starts new ones."""
         if self._pool is not None:
             pool, self._pool = self._pool, None
+            self._lost_closed += pool.lost
             pool.close()
 
     def __enter__(self) -> RewardManager:

@@ -54,6 +54,11 @@ class _Manager:
     def close(self) -> None:
         """Release what the manager holds (worker processes)."""
 
+    @property
+    def lost_workers(self) -> int:
+        """Reward worker processes that died while scoring, so far (0 without a process pool)."""
+        return 0
+
     def __enter__(self) -> _Manager:
         return self
 
@@ -144,6 +149,10 @@ class OverlongPenaltyManager(_Manager):
             shaped.append(ScoreResult(result.score + penalty, extra, result.error))
         return shaped
 
+    @property
+    def lost_workers(self) -> int:
+        return self.inner.lost_workers
+
     def close(self) -> None:
         self.inner.close()
 
@@ -172,6 +181,10 @@ class ModelRewardManager(_Manager):
             extra = {**rule.extra, "rm_score": value, "rule_score": rule.score}
             results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error))
         return results
+
+    @property
+    def lost_workers(self) -> int:
+        return self.rule.lost_workers if self.rule is not None else 0
 
     def close(self) -> None:
         if self.rule is not None:

@@ -143,6 +143,7 @@ class WorkerPool:
         self._timeout_s = timeout_s
         self._num_workers = num_workers
         self._workers: list[_Worker] = []
+        self.lost = 0  # workers that died (killed from outside, or crashed) while scoring; timeouts aside
         self._fill()
 
     @property
@@ -252,6 +253,7 @@ class WorkerPool:
 
     def _on_death(self, w: _Worker, outcomes: list, pending: deque, deaths: list[int]) -> None:
         w.kill()
+        self.lost += 1
         if w.queue:
             index = w.queue.popleft()
             deaths[index] += 1

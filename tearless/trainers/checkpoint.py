@@ -6,10 +6,21 @@ optimizer, scheduler, RNG states, KL controller and step. A checkpoint is writte
 temporary name and renamed into place only when complete; ``latest_checkpointed_iteration.txt``
 is rewritten atomically afterwards. Resume trusts only directories named ``global_step_N`` that
 hold the completion marker.
+
+Every file of a checkpoint is fsynced before the rename, so the rename publishes data that is on
+disk, not only in the page cache. A save that fails (disk full, no permission, file size limit)
+removes its temporary directory and raises :class:`CheckpointError`, which says what failed and
+which checkpoint is still the latest; the previous checkpoints are never touched before the new
+one is complete. Debris that a killed process left (hidden ``.….tmp-<pid>`` entries of processes
+that no longer run) is removed by the next save.
+
+``trainer_state.pt`` holds only tensors and plain Python values and is read with
+``torch.load(weights_only=True)``: loading a checkpoint never unpickles arbitrary objects.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -18,20 +29,30 @@ from typing import Any
 
 import torch
 
+from tearless import faults
 from tearless.models.loading import quiet_transformers
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_DEBRIS = re.compile(r"^\..+\.(?:tmp|trash)-(\d+)$")
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written; the message names the cause and the checkpoint still in charge."""
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(
@@ -51,8 +72,10 @@ def save_checkpoint(
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    remove_debris(run_dir)
     final = run_dir / f"global_step_{step}"
     tmp = run_dir / f".global_step_{step}.tmp-{os.getpid()}"
+    trash = run_dir / f".global_step_{step}.trash-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
@@ -61,19 +84,104 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp / "actor")
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
+        faults.point("checkpoint_write", step)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / MARKER).write_text(str(step))
+        _fsync_tree(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted run
-            shutil.rmtree(final)
+            os.replace(final, trash)
         os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _save_error(run_dir, step, exc) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _atomic_write_text(run_dir / TRACKER, str(step))
+    shutil.rmtree(trash, ignore_errors=True)
+    faults.point("checkpoint_rename", step)
+    try:
+        _atomic_write_text(run_dir / TRACKER, str(step))
+    except OSError as exc:
+        # The checkpoint itself is complete (resume finds it by its marker); only the pointer is stale.
+        raise CheckpointError(
+            exc.errno,
+            f"checkpoint {final} was saved, but updating {run_dir / TRACKER} failed ({exc}); resume "
+            "still finds the new checkpoint. Free disk space or fix the permissions of the run directory",
+        ) from exc
     if keep is not None and keep > 0:
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _save_error(run_dir: Path, step: int, exc: OSError) -> CheckpointError:
+    latest = latest_checkpoint(run_dir)
+    still = f"the latest complete checkpoint is still {latest}" if latest else "no earlier checkpoint exists"
+    hints = {
+        errno.ENOSPC: "free disk space or point trainer.default_local_dir at a larger disk",
+        errno.EDQUOT: "free space within your disk quota or use another trainer.default_local_dir",
+        errno.EFBIG: "a file size limit (ulimit -f) stops the write; raise it",
+        errno.EACCES: "make trainer.default_local_dir writable or point it elsewhere",
+        errno.EPERM: "make trainer.default_local_dir writable or point it elsewhere",
+        errno.EROFS: "the file system is read-only; point trainer.default_local_dir at a writable one",
+    }
+    hint = hints.get(exc.errno, "check the disk and trainer.default_local_dir")
+    return CheckpointError(
+        exc.errno,
+        f"saving checkpoint global_step_{step} in {run_dir} failed ({exc}); nothing of it was left "
+        f"behind and {still}. Fix: {hint}, then rerun with trainer.resume_mode=auto to continue",
+    )
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_debris(run_dir: str | os.PathLike) -> list[Path]:
+    """Remove the hidden temporary entries (``.global_step_N.tmp-<pid>``, …) of processes that are gone.
+
+    A SIGKILL mid-save leaves them; they are never resumed from, but they hold disk space. Entries of a
+    process that still runs (another trainer writing here) are left alone. Returns what was removed.
+    """
+    removed = []
+    for child in Path(run_dir).iterdir():
+        match = _DEBRIS.match(child.name)
+        if not match or _alive(int(match.group(1))):
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+        removed.append(child)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process's own leftovers are from an earlier, failed save
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -102,4 +210,4 @@ def load_state(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is not a complete tearless checkpoint (no {MARKER} marker or "
             "trainer_state.pt); point trainer.resume_from_path at a global_step_N directory"
         )
-    return torch.load(path / "trainer_state.pt", weights_only=False)
+    return torch.load(path / "trainer_state.pt", weights_only=True)

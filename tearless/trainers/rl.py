@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tearless import faults
 from tearless.algos import compute_advantage, filter_groups, make_kl_controller
 from tearless.config import Config, to_dict
 from tearless.data import PromptDataset, PromptLoader, load_many
@@ -36,7 +37,7 @@ from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, selec
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
-from tearless.trainers.tracking import Tracker, truncate_jsonl
+from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.workers.actor import Actor, LogProbWorker, reward_kl
 from tearless.workers.critic import Critic, critic_value_stats, explained_variance
 
@@ -51,6 +52,11 @@ def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
     """Randomness of step ``step`` derived from the seed alone, so a resumed run draws what the
     uninterrupted run drew."""
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 101 + stream)
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped itself (``trainer.max_bad_steps`` non-finite steps in a row); the message says why
+    and which checkpoint to resume from."""
 
 
 class RLTrainer:
@@ -95,6 +101,7 @@ class RLTrainer:
         self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
         self.run_dir = Path(t.default_local_dir)
         self.batches_consumed = 0
+        self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
         self.start_step, resume_dir = self._find_resume()
         self.model = load_causal_lm(
             resume_dir / "actor" if resume_dir else model_path,
@@ -214,14 +221,18 @@ class RLTrainer:
         self.actor.skipped_steps = state["skipped_steps"]
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.batches_consumed = state["batches_consumed"]
+        self.bad_steps = int(state.get("bad_steps", 0))
         if self.critic is not None:
             self.critic.optimizer.load_state_dict(state["critic_optimizer"])
             self.critic.scheduler.load_state_dict(state["critic_scheduler"])
+            self.critic.skipped_steps = int(state.get("critic_skipped_steps", 0))
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.log(f"resumed from {path} at step {self.start_step}")
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, metrics: dict[str, Any] | None = None) -> Path:
+        """Checkpoint ``global_step_{step}``. ``metrics`` (the step's metrics line) is kept in it, so a
+        crash between the save and the metrics write cannot lose the line (see :meth:`fit`)."""
         state = {
             "global_step": step,
             "optimizer": self.actor.optimizer.state_dict(),
@@ -231,12 +242,18 @@ class RLTrainer:
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             "batches_consumed": self.batches_consumed,
-            "config": to_dict(self.cfg),
+            "bad_steps": self.bad_steps,
+            # Plain JSON values only, so the state loads with torch.load(weights_only=True).
+            "config": json.loads(json.dumps(to_dict(self.cfg), default=str)),
+            "step_metrics": {
+                k: float(v) if isinstance(v, (int, float)) else str(v) for k, v in (metrics or {}).items()
+            },
         }
         extra = {}
         if self.critic is not None:
             state["critic_optimizer"] = self.critic.optimizer.state_dict()
             state["critic_scheduler"] = self.critic.scheduler.state_dict()
+            state["critic_skipped_steps"] = self.critic.skipped_steps
             extra["critic"] = self.critic.model
         return ckpt.save_checkpoint(
             self.run_dir,
@@ -269,6 +286,7 @@ class RLTrainer:
             }
             for it, s, m in zip(items, texts, out.response_mask, strict=True)
         ]
+        lost_before = self.reward.lost_workers
         results = self.reward.score(requests)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         correct = torch.tensor(
@@ -280,6 +298,8 @@ class RLTrainer:
                 extras[k].append(float(v))
         metrics = {f"reward_extra/{k}/mean": sum(v) / len(v) for k, v in extras.items()}
         metrics["reward/failures"] = float(sum(r.error is not None for r in results))
+        # Reward processes that died mid-sample (their samples were scored again by a fresh one).
+        metrics["reward/lost_workers"] = float(self.reward.lost_workers - lost_before)
         return scores, correct, metrics, texts, [{k: float(v) for k, v in r.extra.items()} for r in results]
 
     def _next_prompts(self) -> list[dict]:
@@ -315,6 +335,7 @@ class RLTrainer:
             prompts = self._next_prompts()
             rounds += 1
             drawn += len(prompts)
+            faults.point("rollout", step)
             with timer("gen"):
                 out = self.rollout.generate(
                     [p["input_ids"] for p in prompts],
@@ -327,6 +348,7 @@ class RLTrainer:
                 )
             items = [p for p in prompts for _ in range(n)]
             uids = [f"{step}-{rounds}-{i // n}" for i in range(len(items))]
+            faults.point("reward", step)
             with timer("reward"):
                 scores, correct, metrics, texts, extras = self.score(items, out)
             if not fg.enable:
@@ -410,6 +432,7 @@ class RLTrainer:
                     values=td.get("values", None),
                 )
                 td["advantages"], td["returns"] = advantages, returns
+            faults.point("update", step)
             if self.critic is not None:
                 with timer("update_critic"):
                     metrics.update(
@@ -446,6 +469,32 @@ class RLTrainer:
         )
         self._dump_samples(step, items, uids, texts, scores, extras, advantages, mask, out.truncated)
         return metrics
+
+    def _restore_checkpointed_record(self) -> None:
+        """Append the resumed checkpoint's own metrics line if the crash came before it was written."""
+        state = getattr(self, "_resume_state", None)
+        record = state.get("step_metrics") if state else None
+        path = self.run_dir / "metrics.jsonl"
+        if not record or "jsonl" not in self.cfg.trainer.logger:
+            return
+        steps = [r.get("step") for r in read_metrics(path)]
+        if self.start_step not in steps:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": self.start_step, **record}) + "\n")
+
+    def _skipped_optimizer_steps(self) -> int:
+        return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic is not None else 0)
+
+    def _bad_steps_message(self, step: int, checkpoint: str) -> str:
+        first = step - self.bad_steps + 1
+        return (
+            f"trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}: steps {first}..{step} in a row had a "
+            "non-finite loss or gradient norm, so their optimizer steps were skipped; stopping. "
+            f"{checkpoint} holds the weights and optimizer state as they were after step {first - 1} "
+            "(no skipped update is in it). Lower actor_rollout_ref.actor.optim.lr, check the rewards and "
+            "data for NaN/inf, or raise trainer.max_bad_steps (0 = never stop), then resume with "
+            "trainer.resume_mode=auto"
+        )
 
     def _remax_baselines(self, prompts: list[dict], step: int) -> torch.Tensor:
         """ReMax's baseline: the reward of each prompt's greedy response, repeated for its n samples."""
@@ -535,6 +584,7 @@ class RLTrainer:
         # when starting from scratch in a used directory).
         truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step if self.start_step > 0 else -1)
         truncate_records(self.run_dir / ROLLOUTS_FILE, self.start_step if self.start_step > 0 else -1)
+        self._restore_checkpointed_record()
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))
         tracker = Tracker(
             self.run_dir,
@@ -568,7 +618,11 @@ class RLTrainer:
             step = self.start_step
             while step < self.total_steps:
                 step += 1
+                skipped_before = self._skipped_optimizer_steps()
                 metrics = self.train_step(step)
+                self.bad_steps = self.bad_steps + 1 if self._skipped_optimizer_steps() > skipped_before else 0
+                metrics["training/bad_steps_in_a_row"] = float(self.bad_steps)
+                stop = 0 < t.max_bad_steps <= self.bad_steps
                 epoch = (self.batches_consumed - 1) // self.loader.num_batches
                 metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
                 last = step == self.total_steps
@@ -579,12 +633,15 @@ class RLTrainer:
                     metrics.update(val)
                     metrics.update(timer.metrics())
                     summary["after"] = val
-                if last or (t.save_freq > 0 and step % t.save_freq == 0):
+                if stop or last or (t.save_freq > 0 and step % t.save_freq == 0):
                     timer = Timer()
                     with timer("save_checkpoint"):
-                        summary["checkpoint"] = str(self.save(step))
+                        summary["checkpoint"] = str(self.save(step, metrics))
                     metrics.update(timer.metrics())
+                faults.point("metrics", step)
                 tracker.log(metrics, step)
+                if stop:
+                    raise TrainingStopped(self._bad_steps_message(step, summary["checkpoint"]))
             if "after" in summary:
                 tracker.write(_format_val("after training", summary["after"]))
         finally:

@@ -201,7 +201,8 @@ def run_updates(
     """veRL's update schedule, shared by actor and critic: ``epochs`` passes over mini-batches of
     ``rows_per_mini`` rows, each split into micro-batches whose losses ``micro_loss(mb, norm)`` are
     normalised by the mini-batch's global token and sequence counts (``norm``) and accumulated; one
-    clipped optimizer step per mini-batch, skipped (and counted) when the gradient norm is not finite.
+    clipped optimizer step per mini-batch, skipped (and counted) when a micro-batch loss or the gradient
+    norm is not finite: the parameters and the optimizer's moments and step count stay untouched.
     The scheduler steps once per call. Returns the metrics averaged over optimizer steps and the
     updated count of skipped steps.
     """
@@ -220,15 +221,19 @@ def run_updates(
                 "loss_scale_factor": float(mask.shape[1]),
             }
             optimizer.zero_grad(set_to_none=True)
+            finite_loss = True
             for mb in micro_batches(
                 mini, size=None if token_budget else micro_size, token_budget=token_budget
             ):
                 loss, metrics = micro_loss(mb, norm)
+                # A NaN loss can come with a finite gradient (from a term that does not reach the
+                # parameters); the step is skipped either way.
+                finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
                 loss.backward()
                 for k, v in metrics.items():
                     sums[k] += float(v)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            if torch.isfinite(grad_norm):
+            if finite_loss and torch.isfinite(grad_norm):
                 optimizer.step()
             else:
                 skipped += 1
