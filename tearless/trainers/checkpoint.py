@@ -35,11 +35,18 @@ from tearless.models.loading import quiet_transformers
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 _DEBRIS = re.compile(r"^\..+\.(?:tmp|trash)-(\d+)$")
 
 
 class CheckpointError(OSError):
-    """A checkpoint could not be written; the message names the cause and the checkpoint still in charge."""
+    """A checkpoint could not be written; the message names the cause and the checkpoint still in charge.
+
+    ``errno`` is the operating system's error code (``errno.ENOSPC`` for a full disk, …)."""
+
+    def __init__(self, code: int | None, message: str) -> None:
+        super().__init__(message)
+        self.errno = code
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -85,19 +92,22 @@ def save_checkpoint(
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
         faults.point("checkpoint_write", step)
-        torch.save(state, tmp / "trainer_state.pt")
+        # Through a Python file object, so a failed write raises its OSError (torch's own writer
+        # reports "unexpected pos" and loses the errno).
+        with open(tmp / "trainer_state.pt", "wb") as f:
+            torch.save(state, f)
         (tmp / MARKER).write_text(str(step))
         _fsync_tree(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted run
             os.replace(final, trash)
         os.replace(tmp, final)
         _fsync_dir(run_dir)
-    except OSError as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _save_error(run_dir, step, exc) from exc
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        code = os_errno(exc)
+        if code is None:
+            raise
+        raise _save_error(run_dir, step, exc, code) from exc
     shutil.rmtree(trash, ignore_errors=True)
     faults.point("checkpoint_rename", step)
     try:
@@ -115,7 +125,23 @@ def save_checkpoint(
     return final
 
 
-def _save_error(run_dir: Path, step: int, exc: OSError) -> CheckpointError:
+def os_errno(exc: BaseException) -> int | None:
+    """The errno behind a failed write: of an ``OSError``, of one in the exception's cause/context
+    chain (torch wraps it in a RuntimeError), or the ``(os error N)`` that safetensors puts in its
+    message. ``None`` when the failure was not the operating system's."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno
+        match = _OS_ERROR.search(str(exc))
+        if match:
+            return int(match.group(1))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _save_error(run_dir: Path, step: int, exc: BaseException, code: int) -> CheckpointError:
     latest = latest_checkpoint(run_dir)
     still = f"the latest complete checkpoint is still {latest}" if latest else "no earlier checkpoint exists"
     hints = {
@@ -126,10 +152,11 @@ def _save_error(run_dir: Path, step: int, exc: OSError) -> CheckpointError:
         errno.EPERM: "make trainer.default_local_dir writable or point it elsewhere",
         errno.EROFS: "the file system is read-only; point trainer.default_local_dir at a writable one",
     }
-    hint = hints.get(exc.errno, "check the disk and trainer.default_local_dir")
+    hint = hints.get(code, "check the disk and trainer.default_local_dir")
     return CheckpointError(
-        exc.errno,
-        f"saving checkpoint global_step_{step} in {run_dir} failed ({exc}); nothing of it was left "
+        code,
+        f"saving checkpoint global_step_{step} in {run_dir} failed ([Errno {code}] {os.strerror(code)}: "
+        f"{exc}); nothing of it was left "
         f"behind and {still}. Fix: {hint}, then rerun with trainer.resume_mode=auto to continue",
     )
 

@@ -68,6 +68,7 @@ class Attempt:
     returncode: int
     seconds: float
     orphans: list[int] = field(default_factory=list)  # reward workers still alive 3 s after the kill
+    stderr: str = ""
 
 
 def _children(pid: int) -> list[int]:
@@ -102,12 +103,19 @@ class ForkServer:
         )
 
     def attempt(self, task, run_dir: Path, fault: str | None = None, kill_after: float | None = None,
-                *, steps: int = STEPS, timeout: float = 300) -> Attempt:  # fmt: skip
+                *, steps: int = STEPS, timeout: float = 300, fsize: int | None = None,
+                expect_error: bool = False) -> Attempt:  # fmt: skip
         """One training process: with ``fault`` it kills itself there; with ``kill_after`` this process
         SIGKILLs it after that many seconds (if it is still running). Reward workers it had forked are
-        watched: they must exit on their own once it is gone."""
+        watched: they must exit on their own once it is gone. With ``fsize`` its writes fail past
+        that many bytes; ``expect_error``: it must then stop with exit code 1 (a clear error)."""
         stderr = self.workdir / "attempt.stderr"
-        request = {"args": run_args(task, run_dir, steps=steps), "fault": fault, "stderr": str(stderr)}
+        request = {
+            "args": run_args(task, run_dir, steps=steps),
+            "fault": fault,
+            "stderr": str(stderr),
+            "fsize": fsize,
+        }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         started = time.monotonic()
@@ -122,7 +130,7 @@ class ForkServer:
             os.kill(pid, signal.SIGKILL)
         returncode = json.loads(self.proc.stdout.readline())["status"]
         seconds = time.monotonic() - started
-        if returncode not in (0, -signal.SIGKILL):
+        if returncode not in ((1,) if expect_error else (0, -signal.SIGKILL)):
             raise AssertionError(
                 f"attempt {fault or kill_after} failed ({returncode}):\n{stderr.read_text()[-3000:]}"
             )
@@ -134,7 +142,7 @@ class ForkServer:
                 time.sleep(0.1)
             orphans = [c for c in children if _alive(c)]
         label = fault if fault else (f"random@{kill_after:.2f}s" if kill_after is not None else None)
-        return Attempt(label, returncode, seconds, orphans)
+        return Attempt(label, returncode, seconds, orphans, stderr.read_text())
 
     def close(self) -> None:
         self.proc.stdin.close()

@@ -5,7 +5,8 @@ forking a process that has already imported them (and has computed nothing, so n
 exists to break across the fork) makes each attempt of a campaign cost its training time only. The
 forked process runs the real command line (``tearless train …``) and is killed with a real SIGKILL.
 
-Protocol, one JSON object per line: request ``{"args": [...], "fault": str | null, "stderr": path}``
+Protocol, one JSON object per line: request ``{"args": [...], "fault": str | null, "stderr": path,
+"fsize": bytes | null}`` (``fsize``: RLIMIT_FSIZE for the training process)
 on stdin; answers ``{"pid": N}`` when the training process starts and ``{"status": code}`` (as
 ``subprocess`` reports it: negative for a signal) when it ends.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import sys
 import traceback
 
@@ -32,6 +35,11 @@ def _child(request: dict) -> int:
     os.dup2(devnull, 1)
     err = os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(err, 2)
+    if request.get("fsize"):
+        # A real write failure: past this many bytes a write fails with EFBIG (SIGXFSZ ignored, as
+        # a full disk's writes fail with ENOSPC instead of killing the writer).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (request["fsize"], request["fsize"]))
     os.environ.pop(ENV, None)
     if request.get("fault"):
         os.environ[ENV] = request["fault"]

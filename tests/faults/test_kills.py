@@ -95,3 +95,26 @@ def test_debris_of_dead_processes_is_removed_and_a_live_process_keeps_its_own(tm
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f".global_step_4.tmp-{live.pid}", "global_step_2"]
     assert os.getpid() != dead_pid
+
+
+@pytest.mark.timeout(300)
+def test_a_real_write_failure_while_saving_is_a_clear_error_and_loses_nothing(
+    server, task, reference, tmp_path
+):
+    # Kill in step 3 (checkpoints 1 and 2 exist), then resume under RLIMIT_FSIZE = 2.5 MB: the weights
+    # (1.8 MB) fit, the trainer state (3.5 MB: AdamW moments) does not, so saving step 3 hits a real
+    # EFBIG from the kernel, as a full disk would give ENOSPC.
+    run_dir = tmp_path / "run"
+    chain.campaign(server, task, run_dir, ["reward:3"], finish=False, log=lambda _: None)
+    failed = server.attempt(task, run_dir, fsize=2_500_000, expect_error=True)
+    message = failed.stderr.strip().splitlines()[-1]
+    assert message.startswith("tearless: error: saving checkpoint global_step_3 in ")
+    assert "[Errno 27] File too large" in message and "ulimit -f" in message
+    assert f"the latest complete checkpoint is still {run_dir / 'global_step_2'}" in message
+    assert "Traceback" not in failed.stderr
+    state = chain.check_run_dir(run_dir)
+    assert state["latest"] == 2 and not list(run_dir.glob(".*global_step_3*"))
+    assert (run_dir / ckpt.TRACKER).read_text() == "2"
+    # With the limit gone the run resumes from step 2 and ends exactly like the uninterrupted one.
+    assert server.attempt(task, run_dir).returncode == 0
+    chain.check_final(run_dir, reference)
