@@ -91,10 +91,16 @@ class BatchRewardManager(_Manager):
         # data_sources=[item["data_source"], …], solution_strs=…, ground_truths=…, extra_infos=…
         columns = {key: [item[key.removesuffix("s")] for item in items] for key in _BATCH_KEYS}
         try:
-            values = list(self.batch_fn(**columns, **self.reward_kwargs))
+            values = self.batch_fn(**columns, **self.reward_kwargs)
         except Exception as exc:
             error = f"raised: {type(exc).__name__}: {exc}"
             return [ScoreResult(self.failure_score, {}, error) for _ in items]
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
+            raise TypeError(
+                f"the batch reward function returned a {type(values).__name__}; it must return a list "
+                f"with one score (or dict with 'score') per sample, {len(items)} here"
+            )
+        values = list(values)
         if len(values) != len(items):
             raise ValueError(
                 f"the batch reward function returned {len(values)} scores for {len(items)} samples"

@@ -62,26 +62,60 @@ def evaluate(
 def check_value(value: Any) -> Outcome:
     """Turn a reward function's return value into an outcome: a finite float score plus numeric extras.
 
-    A dict's other numeric (and bool) values are kept as extras; non-numeric ones (a predicted string,
-    say) are dropped, since extras are logged as numbers.
+    The score is a real number (a bool, int, float, numpy scalar, or a one-element tensor or array,
+    through ``.item()``) or a dict's ``score``. A dict's other finite numeric (and bool) values are
+    kept as extras; non-numeric or non-finite ones (a predicted string, a NaN) are dropped, since
+    extras are logged as numbers. Anything else (None, a string, a NaN or an int too large for a
+    float) is an ``("err", why)`` outcome, never an exception.
     """
     if isinstance(value, dict):
         if "score" not in value:
-            return ("err", f"returned a dict without a 'score' key (keys: {sorted(map(str, value))})")
+            return ("err", f"returned a dict without a 'score' key (keys: {sorted(str(k)[:40] for k in value)[:20]})")
+        extras = {}
+        for key, extra in value.items():
+            number = _as_float(extra) if key != "score" else None
+            if number is not None and math.isfinite(number):
+                extras[str(key)] = number
         score = value["score"]
-        extras = {str(k): float(v) for k, v in value.items() if k != "score" and isinstance(v, numbers.Real)}
     else:
         score, extras = value, {}
-    if not isinstance(score, numbers.Real):
+    number = _as_float(score)
+    if number is None:
         return (
             "err",
-            f"returned a score of type {type(score).__name__} ({score!r:.60}); a reward function must "
+            f"returned a score of type {type(score).__name__} ({_short(score)}); a reward function must "
             "return a float or a dict with a numeric 'score'",
         )
-    score = float(score)
-    if not math.isfinite(score):
-        return ("err", f"returned a non-finite score ({score})")
-    return ("ok", score, extras)
+    if not math.isfinite(number):
+        return ("err", f"returned a non-finite score ({number})")
+    return ("ok", number, extras)
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a float if it is one real number, else ``None`` (an int past float range is inf)."""
+    if not isinstance(value, numbers.Real) and callable(getattr(value, "item", None)):
+        try:
+            value = value.item()  # numpy and torch raise unless the array holds exactly one number
+        except Exception:
+            return None
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+    except Exception:
+        return None
+
+
+def _short(value: Any) -> str:
+    """At most 60 characters of ``repr(value)``, even for a repr that is huge or raises."""
+    if isinstance(value, (str, bytes)) and len(value) > 60:
+        value = value[:60]
+    try:
+        return repr(value)[:60]
+    except Exception:
+        return f"<{type(value).__name__}>"
 
 
 def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, to_close: list) -> None:
