@@ -53,6 +53,37 @@ def _explain(err: OmegaConfBaseException, source: str, schema: type = Config) ->
     return ConfigError(f"config key {key!r} (from {source}): {msg}")
 
 
+def _container_clash(base: Any, layer: Any, source: str) -> ConfigError | None:
+    """The error for a layer that puts a list where the config has a section or dict (or the reverse):
+    OmegaConf's own TypeError does not say which key."""
+
+    def find(b: Any, l: Any, prefix: str) -> tuple[str, Any, Any] | None:
+        for key, value in l.items():
+            if key not in b:
+                continue
+            here, default = f"{prefix}{key}", b[key]
+            if isinstance(default, dict) != isinstance(value, dict) and (
+                isinstance(default, (dict, list)) or isinstance(value, (dict, list))
+            ):
+                return here, default, value
+            if isinstance(default, dict) and isinstance(value, dict):
+                found = find(default, value, here + ".")
+                if found:
+                    return found
+        return None
+
+    plain_base = OmegaConf.to_container(base, resolve=False)
+    plain_layer = OmegaConf.to_container(layer, resolve=False)
+    found = find(plain_base, plain_layer, "") if isinstance(plain_layer, dict) else None
+    if found is None:
+        return None
+    key, default, value = found
+    want = "a section of keys" if isinstance(default, dict) else "a list"
+    return ConfigError(
+        f"config key {key!r} (from {source}) must be {want} (like {default!r:.60}), got {value!r:.60}"
+    )
+
+
 def _dotlist(overrides: Iterable[str]) -> list[str]:
     items = []
     for item in overrides:
@@ -119,12 +150,20 @@ def load_config(
     for item in dotlist:
         try:
             layers.append((OmegaConf.from_dotlist([item]), f"override {item!r}"))
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"override {item!r} cannot be parsed: {e}") from e
+        except Exception as e:  # OmegaConf's errors, and YAML's own (a control character, say)
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"override {item!r} cannot be parsed: {first}") from e
     for layer, source in layers:
         try:
             merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError) as e:
+            # A list where a section or dict belongs (or the reverse) comes as a TypeError, or an
+            # OmegaConf error, without the key in it.
+            clash = None if getattr(e, "full_key", None) else _container_clash(merged, layer, source)
+            if clash is not None:
+                raise clash from e
+            if isinstance(e, TypeError):
+                raise ConfigError(f"{source} does not fit the config's structure: {e}") from e
             raise _explain(e, source, schema) from e
     try:
         cfg = OmegaConf.to_object(merged)

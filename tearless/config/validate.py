@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from typing import Any
 
 from tearless.config.schema import Config
 
@@ -195,6 +198,7 @@ def validate(cfg: Config) -> None:
             "train and validation files must both be given or both be null (the embedded task)",
             "Give both data.train_files and data.val_files.",
         )
+    _validate_ranges(cfg)
     _one_of("task.name", cfg.task.name, ("arithmetic",))
     if not 0 <= cfg.task.forget_carry <= 1:
         _fail(
@@ -240,3 +244,92 @@ def _validate_critic(cfg: Config) -> None:
     _positive("critic.cliprange_value", c.cliprange_value)
     _positive("critic.optim.lr", c.optim.lr)
     _one_of("critic.optim.lr_scheduler_type", c.optim.lr_scheduler_type, ("constant", "cosine"))
+
+
+def _numbers(obj: Any, prefix: str = ""):
+    """(dotted key, value) of every float field of a config, in nested sections and lists (betas);
+    the user's own ``reward_kwargs`` are theirs to check."""
+    if dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _numbers(getattr(obj, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _numbers(v, prefix)
+    elif isinstance(obj, float):
+        yield prefix, obj
+
+
+def _in_range(key: str, value: float, low: float, high: float, fix: str, *, open_high: bool = False) -> None:
+    if not (low <= value < high if open_high else low <= value <= high):
+        bracket = ")" if open_high else "]"
+        _fail(key, f"must be in [{low}, {high}{bracket}, got {value}", fix)
+
+
+def _validate_optim(prefix: str, optim: Any) -> None:
+    betas = optim.betas
+    if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
+        _fail(
+            f"{prefix}.betas", f"must be two numbers [beta1, beta2], got {list(betas)!r}", "Use [0.9, 0.999]."
+        )
+    for b in betas:
+        _in_range(
+            f"{prefix}.betas", b, 0.0, 1.0, "Each beta is in [0, 1), e.g. [0.9, 0.999].", open_high=True
+        )
+    _positive(f"{prefix}.weight_decay", optim.weight_decay, allow_zero=True)
+    _in_range(
+        f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0.0, 1.0, "A fraction of the run."
+    )
+    _in_range(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0, "A fraction of lr.")
+    _positive(f"{prefix}.num_cycles", optim.num_cycles, allow_zero=True)
+
+
+def _validate_ranges(cfg: Config) -> None:
+    """Values a run would only trip over later (or never notice): non-finite numbers, optimizer
+    settings AdamW refuses, probabilities and fractions outside [0, 1], negative sizes."""
+    for key, value in _numbers(cfg):
+        if not math.isfinite(value):
+            _fail(key, f"must be a finite number, got {value}", "Set a finite value.")
+    arr, alg, t = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+    _validate_optim("actor_rollout_ref.actor.optim", arr.actor.optim)
+    if _critic_on(cfg):
+        _validate_optim("critic.optim", cfg.critic.optim)
+        _positive("critic.grad_clip", cfg.critic.grad_clip)
+    for key, value in [
+        ("actor_rollout_ref.actor.clip_ratio", arr.actor.clip_ratio),
+        ("actor_rollout_ref.actor.clip_ratio_low", arr.actor.clip_ratio_low),
+        ("actor_rollout_ref.actor.clip_ratio_high", arr.actor.clip_ratio_high),
+        ("actor_rollout_ref.actor.kl_loss_coef", arr.actor.kl_loss_coef),
+        ("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef),
+        ("trainer.rollout_log_max_mb", t.rollout_log_max_mb),
+        ("trainer.num_rollout_samples", t.num_rollout_samples),
+        ("trainer.critic_warmup", t.critic_warmup),
+        ("task.warmup_steps", cfg.task.warmup_steps),
+    ]:
+        if value is not None:
+            _positive(key, value, allow_zero=True)
+    for key, value in [("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)]:
+        _in_range(key, value, 0.0, 1.0, "γ and λ are in [0, 1]; 1.0 is the usual value for LLM RL.")
+    if alg.kl_ctrl.type == "adaptive":
+        _positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
+        _positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
+    val = arr.rollout.val_kwargs
+    if not 0 < val.top_p <= 1:
+        _fail(
+            "actor_rollout_ref.rollout.val_kwargs.top_p",
+            f"must be in (0, 1], got {val.top_p}",
+            "1.0 disables it.",
+        )
+    for key, value in [
+        ("actor_rollout_ref.rollout.top_k", arr.rollout.top_k),
+        ("actor_rollout_ref.rollout.val_kwargs.top_k", val.top_k),
+    ]:
+        if value < -1:
+            _fail(key, f"must be -1 (off) or a number of tokens, got {value}", "Use -1 to disable top-k.")
+    for key, value in [("task.num_train", cfg.task.num_train), ("task.num_val", cfg.task.num_val)]:
+        _positive(key, value)
+
+
+def _critic_on(cfg: Config) -> bool:
+    from tearless.trainers.rl import critic_enabled
+
+    return critic_enabled(cfg)

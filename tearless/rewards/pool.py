@@ -70,7 +70,8 @@ def check_value(value: Any) -> Outcome:
     """
     if isinstance(value, dict):
         if "score" not in value:
-            return ("err", f"returned a dict without a 'score' key (keys: {sorted(str(k)[:40] for k in value)[:20]})")
+            keys = sorted(str(k)[:40] for k in value)[:20]
+            return ("err", f"returned a dict without a 'score' key (keys: {keys})")
         extras = {}
         for key, extra in value.items():
             number = _as_float(extra) if key != "score" else None

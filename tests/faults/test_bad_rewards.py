@@ -43,7 +43,7 @@ _values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=int(os.environ.get("TEARLESS_FUZZ_EXAMPLES", "150")), deadline=None)
 @given(_values)
 def test_any_return_value_becomes_a_finite_score_or_a_reason(value):
     outcome = check_value(value)
