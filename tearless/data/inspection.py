@@ -69,8 +69,6 @@ def inspect_file(
         out.append(f"  {source}: {count} rows ({where})")
     seen: dict[str, int] = {}
     for i, row in rows:
-        if not any(m["content"].strip() for m in row["prompt"]):
-            issues["empty prompt"].append(i)
         if str(row["reward_model"]["ground_truth"]).strip() == "":
             issues["empty ground_truth"].append(i)
         key = json.dumps(row["prompt"], sort_keys=True)

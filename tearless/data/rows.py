@@ -167,6 +167,8 @@ def _lookup(row: dict, dotted: str) -> Any:
 
 def _normalize_prompt(prompt: Any, where: str) -> list[dict]:
     if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty prompt; the prompt string is blank: give the question in it")
         return [{"role": "user", "content": prompt}]
     example = '[{"role": "user", "content": "..."}]'
     if not isinstance(prompt, list) or not prompt:
@@ -185,6 +187,8 @@ def _normalize_prompt(prompt: Any, where: str) -> list[dict]:
                     f"{where}: prompt[{j}] needs a string {key!r}; the message has keys {sorted(message)}"
                 )
         messages.append(message)
+    if not any(m["content"].strip() for m in messages):
+        raise DataError(f"{where}: empty prompt; every message's content is blank: give the question in one")
     return messages
 
 
@@ -198,7 +202,15 @@ def _read_parquet(path: Path) -> list[dict]:
 
 
 def _read_json(path: Path) -> tuple[list[Any], list[int]]:
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DataError(
+            f"{path}: line {line} is not UTF-8 (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+            "JSON lines files must be UTF-8: re-encode the file (e.g. iconv -f latin1 -t utf-8)"
+        ) from exc
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

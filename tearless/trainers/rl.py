@@ -87,6 +87,12 @@ class RLTrainer:
         if data.val_max_samples > 0:
             val_rows = val_rows[: data.val_max_samples]
         self.val_set = PromptDataset(val_rows, self.tokenizer, source=str(val_files), **dkw)
+        for name, dataset in (("training", self.train_set), ("validation", self.val_set)):
+            if dataset.num_filtered:
+                self.log(
+                    f"data.filter_overlong_prompts: dropped {dataset.num_filtered} {name} prompts longer "
+                    f"than data.max_prompt_length={data.max_prompt_length} tokens; {len(dataset)} remain"
+                )
         # With dynamic sampling a step may draw several generation batches, so the loader's position
         # is a count of batches consumed (checkpointed), not the step number.
         gen_batch = (

@@ -37,15 +37,16 @@ def test_every_problem_is_reported(tmp_path, tokenizer, capsys):
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = inspect_file(path, tokenizer=tokenizer, max_prompt_length=32)
+    # Rows the trainer refuses (normalize_row's errors) come first, in row order.
     assert report.problems == [
+        "empty prompt: 1 rows (2)",
         "missing column 'reward_model.ground_truth': 1 rows (4)",
         "data_source 'my_private_set' has no built-in scorer: set custom_reward_function.path: 1 rows (5)",
         "duplicate prompt (first seen in row 0): 1 rows (1)",
-        "empty prompt: 1 rows (2)",
         "empty ground_truth: 1 rows (3)",
         "prompt longer than 32 tokens: 1 rows (5)",
     ]
     assert "data_source: str" in report.text  # JSON lines: the Python types seen
     assert main(["data", "inspect", str(path)]) == 1
-    assert "problems:\n  - missing column" in capsys.readouterr().out
+    assert "problems:\n  - empty prompt" in capsys.readouterr().out
     assert main(["data", "inspect", str(tmp_path / "none.parquet")]) == 2
