@@ -3,8 +3,9 @@
 1. Named kills: one run of 4 steps killed at every fault point of every step it can still reach
    (rollout, reward, update, checkpoint_write, then checkpoint_rename on odd steps and metrics on
    even ones: 20 kills), resumed with ``trainer.resume_mode=auto`` after each.
-2. Random kills: ``--random-runs`` runs of 4 steps, each killed ``--kills-per-run`` times at a
-   uniformly random moment of an attempt (0.1 s to the measured length of a whole run).
+2. Random kills: runs of 4 steps, each killed up to ``--kills-per-run`` times at a uniformly random
+   moment of an attempt (0.1 s to the median length of a whole run), until ``--random-kills`` kills
+   have landed (a kill timed after the run ended lands nowhere and is not counted).
 After every kill the run directory is checked (:func:`tests.faults.chain.check_run_dir`); at the end
 of every run its checkpoints, metrics and rollout samples must equal an uninterrupted run's exactly.
 3. Soak: ``--soak-steps`` steps with the trainer's RSS, its reward workers' RSS, open files and child
@@ -46,9 +47,9 @@ def named_plan(steps: int) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--random-runs", type=int, default=10)
+    parser.add_argument("--random-kills", type=int, default=30, help="random kills that land mid-run")
     parser.add_argument("--kills-per-run", type=int, default=3)
-    parser.add_argument("--soak-steps", type=int, default=500)
+    parser.add_argument("--soak-steps", type=int, default=500, help="0: no soak")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tearless-reliability-"))
@@ -63,33 +64,36 @@ def main() -> None:
     train(None, chain.run_args(task, reference), log=lambda _: None)
     server = chain.ForkServer(root)
     started = time.monotonic()
-    whole = server.attempt(task, root / "calibration")
-    kills, runs, orphans = 0, 0, 0
+    # The length of a whole attempt (the median of three) bounds the random kill times.
+    whole = statistics.median(server.attempt(task, root / f"calibration-{i}").seconds for i in range(3))
     run_dir = root / "named"
     attempts = chain.campaign(server, task, run_dir, named_plan(chain.STEPS), log=lambda _: None)
     chain.check_final(run_dir, reference)
-    kills += sum(a.returncode != 0 for a in attempts)
-    runs += 1
+    kills = sum(a.returncode != 0 for a in attempts)
+    orphans = sum(len(a.orphans) for a in attempts)
+    runs = 1
     print(f"named kills: {kills} (every point of every reachable step), final weights identical")
-    random_kills = 0
-    for i in range(args.random_runs):
-        run_dir = root / f"random-{i}"
+    random_kills, tried = 0, 0
+    while random_kills < args.random_kills:
+        run_dir = root / f"random-{runs}"
         attempts = chain.campaign(
-            server, task, run_dir, [], args.kills_per_run, seed=args.seed + i,
-            window=(0.1, whole.seconds), log=lambda _: None,
+            server, task, run_dir, [], args.kills_per_run, seed=args.seed + runs,
+            window=(0.1, whole), log=lambda _: None,
         )  # fmt: skip
         chain.check_final(run_dir, reference)
         random_kills += sum(a.returncode != 0 for a in attempts)
+        tried += sum(a.fault is not None for a in attempts)
         orphans += sum(len(a.orphans) for a in attempts)
         runs += 1
     server.close()
     print(
-        f"random kills: {random_kills} in {args.random_runs} runs (window 0.1-{whole.seconds:.1f} s), "
-        f"final weights identical in every run"
+        f"random kills: {random_kills} landed of {tried} tried (the rest came after the run ended), "
+        f"window 0.1-{whole:.1f} s, {runs - 1} runs, final weights identical in every run"
     )
     print(f"kills survived: {kills + random_kills} in {runs} runs, {time.monotonic() - started:.0f} s; "
           f"reward workers outliving a killed trainer: {orphans}")  # fmt: skip
-
+    if not args.soak_steps:
+        return
     series = soak(task, root / "soak", args.soak_steps)
     warmup = max(args.soak_steps // 10, 5)
     rss = series["rss_mb"]
