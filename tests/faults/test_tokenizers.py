@@ -1,0 +1,66 @@
+"""Tokenizers without a chat template, without a pad token, or whose pad token is the EOS token.
+
+tearless never infers masks from the pad id (masks travel with the batch), so a tokenizer without a
+pad token (given EOS as pad) must train exactly like the same tokenizer with its own pad token; a
+tokenizer without a chat template gets the plain-text rendering and trains."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tearless import train
+from tearless.trainers.records import read_records
+from tearless.trainers.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+ONE_STEP = (
+    "trainer.total_training_steps=1",
+    "trainer.val_before_train=false",
+    "data.val_max_samples=4",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
+    "trainer.num_rollout_samples=32",
+)
+
+
+def _variant(task, tmp_path, name, edit):
+    model = tmp_path / name
+    shutil.copytree(task.model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    edit(model, config)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    return model
+
+
+def _run(overrides, run_dir, model):
+    train(None, overrides(run_dir, f"actor_rollout_ref.model.path={model}", *ONE_STEP), log=lambda _: None)
+    return read_metrics(run_dir / "metrics.jsonl")[0], read_records(run_dir / "rollouts.jsonl.gz")
+
+
+def test_no_pad_token_means_eos_as_pad_and_the_same_training(overrides, task, tmp_path):
+    no_pad = _variant(task, tmp_path, "no-pad", lambda model, config: config.pop("pad_token"))
+    from tearless.models.loading import load_tokenizer
+
+    tok = load_tokenizer(no_pad)
+    assert tok.pad_token_id == tok.eos_token_id
+    base_metrics, base_samples = _run(overrides, tmp_path / "base", task.model_dir)
+    metrics, samples = _run(overrides, tmp_path / "eos-pad", no_pad)
+    # The same responses, rewards and lengths: the pad id changed only what masked positions hold.
+    assert [s["response"] for s in samples] == [s["response"] for s in base_samples]
+    for key in ("critic/score/mean", "response_length/mean", "response_length/clip_ratio", "actor/pg_loss"):
+        assert metrics[key] == pytest.approx(base_metrics[key], abs=1e-6), key
+    assert metrics["response_length/clip_ratio"] < 1  # responses stop at the EOS that is also pad
+
+
+def test_no_chat_template_renders_plain_text_and_trains(overrides, task, tmp_path):
+    def drop_template(model, config):
+        (model / "chat_template.jinja").unlink()
+        config.pop("chat_template", None)
+
+    plain = _variant(task, tmp_path, "plain", drop_template)
+    metrics, samples = _run(overrides, tmp_path / "run", plain)
+    # This tokenizer adds no BOS token when encoding plain text.
+    assert samples[0]["prompt"].startswith("user: ") and samples[0]["prompt"].endswith("=\nassistant: ")
+    assert metrics["response_length/mean"] > 0 and metrics["step"] == 1
