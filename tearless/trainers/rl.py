@@ -496,8 +496,8 @@ class RLTrainer:
         return (
             f"trainer.max_bad_steps={self.cfg.trainer.max_bad_steps}: steps {first}..{step} in a row had a "
             "non-finite loss or gradient norm, so their optimizer steps were skipped; stopping. "
-            f"{checkpoint} holds the weights and optimizer state as they were after step {first - 1} "
-            "(no skipped update is in it). Lower actor_rollout_ref.actor.optim.lr, check the rewards and "
+            f"{checkpoint} holds the weights and optimizer state with none of the skipped updates in "
+            "them. Lower actor_rollout_ref.actor.optim.lr, check the rewards and "
             "data for NaN/inf, or raise trainer.max_bad_steps (0 = never stop), then resume with "
             "trainer.resume_mode=auto"
         )

@@ -101,10 +101,7 @@ def test_max_bad_steps_in_a_row_stop_the_run_with_a_clean_checkpoint(overrides, 
         trainer.fit()
     message = str(info.value)
     assert "trainer.max_bad_steps=2: steps 3..4 in a row had a non-finite loss or gradient norm" in message
-    assert (
-        f"{tmp_path / 'global_step_4'} holds the weights and optimizer state as they were after step 2"
-        in (message)
-    )
+    assert f"{tmp_path / 'global_step_4'} holds the weights and optimizer state with none of" in message
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert [r["training/bad_steps_in_a_row"] for r in records] == [0, 0, 1, 2]
