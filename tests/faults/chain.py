@@ -145,7 +145,9 @@ class ForkServer:
         return Attempt(label, returncode, seconds, orphans, stderr.read_text())
 
     def close(self) -> None:
+        # It holds nothing between attempts; killing it skips a slow interpreter shutdown.
         self.proc.stdin.close()
+        self.proc.kill()
         self.proc.wait(timeout=30)
 
 

@@ -1,6 +1,6 @@
 """Soak: resident memory, file descriptors and reward processes stay flat over a long tiny run.
 
-CI runs ``TEARLESS_SOAK_STEPS`` steps (default 60); RELIABILITY.md has the 500-step figures
+CI runs ``TEARLESS_SOAK_STEPS`` steps (default 40); RELIABILITY.md has the 500-step figures
 (``benchmarks/reliability.py``). The bounds: after a warm-up of a tenth of the run, the trainer's
 RSS may grow by at most 15 MiB (the median of the last 10 steps against the 10 after the warm-up;
 a leak of one rollout batch per step, ~50 KiB here, would pass it within 300 steps, a leak of one
@@ -17,7 +17,7 @@ import pytest
 from tests.faults.soak import growth, soak
 
 pytestmark = pytest.mark.slow
-STEPS = int(os.environ.get("TEARLESS_SOAK_STEPS", "60"))
+STEPS = int(os.environ.get("TEARLESS_SOAK_STEPS", "40"))
 
 
 @pytest.mark.timeout(600)
