@@ -14,6 +14,7 @@ import torch
 
 from tearless.models.loading import (
     check_model_dir,
+    compute_device,
     enable_activation_checkpointing,
     quiet_transformers,
     resolve_dtype,
@@ -57,7 +58,7 @@ def response_values(
 ) -> torch.Tensor:
     """V(s_t) for each response token, (B, R): the value of the state before the token is generated,
     read at the position that predicts it (the same shift as the log-probs)."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     ids, mask, positions = (
         t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     )
