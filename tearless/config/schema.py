@@ -129,9 +129,7 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: str = doc(
-        "hf", "rollout engine: hf (built-in KV-cache sampler) | vllm (GPU; needs the vllm extra)"
-    )
+    name: str = doc("hf", "rollout engine: hf (built-in KV-cache sampler) | vllm (GPU; needs the vllm extra)")
     n: int = doc(8, "responses sampled per prompt (the GRPO group size)")
     temperature: float = doc(1.0, "sampling temperature (> 0)")
     top_p: float = doc(1.0, "nucleus sampling mass")
@@ -219,6 +217,16 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = doc(
+        None,
+        "truncated importance sampling of the policy loss by π_old/π_rollout: null (off) | token | "
+        "sequence; rollout_corr/* mismatch metrics are logged whenever old log-probs are computed",
+    )
+    rollout_is_threshold: float = doc(2.0, "TIS cap C on the importance weight")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = doc(
         "grpo",
@@ -232,6 +240,7 @@ class AlgorithmConfig:
     kl_penalty: str = doc("kl", "estimator for KL in reward: kl/k1 | abs | mse/k2 | low_var_kl/k3")
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

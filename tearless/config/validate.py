@@ -280,6 +280,15 @@ def _validate_placement(cfg: Config) -> None:
         ("critic.model.fsdp_config.param_dtype", cfg.critic.model.fsdp_config),
     ]:
         _one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16"))
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is not None:
+        _one_of("algorithm.rollout_correction.rollout_is", rc.rollout_is, ("token", "sequence"))
+        if rc.rollout_is_threshold < 1:
+            _fail(
+                "algorithm.rollout_correction.rollout_is_threshold",
+                f"must be >= 1, got {rc.rollout_is_threshold}",
+                "The cap C truncates weights above it; 2.0 is veRL's default.",
+            )
     if rollout.name == "vllm":
         if importlib.util.find_spec("vllm") is None:
             _fail(

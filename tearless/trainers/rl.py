@@ -31,6 +31,7 @@ from tearless.distributed import uses_ray
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.value import load_value_model
 from tearless.rewards import load_reward_function, make_reward_manager
+from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k, zero_variance_group_ratio
@@ -444,9 +445,25 @@ class RLTrainer:
             )
             n = cfg.actor_rollout_ref.rollout.n
             prompts = items[::n]
-            if not self.actor.on_policy(len(prompts)) or alg.use_kl_in_reward:
+            rc = alg.rollout_correction
+            if (
+                not self.actor.on_policy(len(prompts))
+                or alg.use_kl_in_reward
+                or rc.rollout_is is not None
+                or cfg.actor_rollout_ref.rollout.name != "hf"
+            ):
                 with timer("old_log_prob"):
                     td["old_log_prob"], _ = self.actor.compute_log_prob(td)
+                weights, corr = rollout_correction(
+                    td["old_log_prob"],
+                    out.log_probs,
+                    mask,
+                    level=rc.rollout_is,
+                    threshold=rc.rollout_is_threshold,
+                )
+                metrics.update(corr)
+                if weights is not None:
+                    td["rollout_is_weights"] = weights
             if self.ref is not None:
                 with timer("ref"):
                     td["ref_log_prob"], _ = self.ref.compute_log_prob(td)
