@@ -1,14 +1,16 @@
 """The Ray + FSDP2 placement against the single-process trainer, on 2 CPU worker processes (gloo).
 
-One Ray session serves the module. Every run has the same config: 4 steps, cosine LR (so that the
-schedule moves and a lost scheduler state would show), KL loss (so that the reference group runs
-too), two mini-batches per step and two PPO epochs with shuffling (so that the old log-probs, the
-update plan and the micro-batch padding all matter), a checkpoint at every step.
+One Ray session serves the module. Every run has the same config: 4 steps of PPO with GAE (so that
+a critic is sharded, trained and checkpointed too), cosine LR (so that the schedule moves and a
+lost scheduler state would show), KL loss (so that the reference runs too), two mini-batches per
+step and two PPO epochs with shuffling (so that the old log-probs, the update plan and the
+micro-batch padding all matter), a checkpoint at every step.
 
 - ``local``: the single-process trainer: the reference numbers.
 - ``chain``, one run directory: 2 workers run steps 1-2, then rank 1 is SIGKILLed while step 3 is
-  scored (checkpoint 2 is the last complete one) → resumed on 1 worker, which saves step 3 and is
-  stopped during step 4 → resumed on 2 workers for step 4. Every step must match ``local``.
+  scored (checkpoint 2 is the last complete one) → resumed on 1 worker per role in split pools
+  (``trainer.colocate=false``), which saves step 3 and is stopped during step 4 → resumed on 2
+  colocated workers for step 4. Every step must match ``local``.
 
 Tolerances: sharding changes the order of float additions (reduce-scatter of gradient halves,
 norms summed from shards), so values agree to about 1e-6 relative, not bit for bit.
@@ -45,6 +47,10 @@ COMPARED = (
     "actor/lr",
     "critic/score/mean",
     "response_length/mean",
+    "critic/vf_loss",
+    "critic/grad_norm",
+    "critic/values/mean",
+    "critic/lr",
 )
 
 
@@ -72,6 +78,7 @@ def args(task, run_dir, *extra):
         "actor_rollout_ref.actor.ppo_epochs=2",
         "actor_rollout_ref.actor.shuffle=true",
         "actor_rollout_ref.actor.use_kl_loss=true",
+        "algorithm.adv_estimator=gae",
         "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
         "actor_rollout_ref.actor.optim.lr_warmup_steps=0",  # λ = 1, 0.85, 0.5, 0.15
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
@@ -104,7 +111,7 @@ class Interrupt:
             self.fired_at = time.monotonic()
             if self.kill_rank is None:
                 raise KeyboardInterrupt("stopped by the test")
-            info = json.loads((self.run_dir / "workers_actor+ref.json").read_text())
+            info = json.loads((self.run_dir / "workers_actor+ref+critic.json").read_text())
             os.kill(info[self.kill_rank]["pid"], signal.SIGKILL)
         return arithmetic_score(solution_str, ground_truth, extra_info)
 
@@ -127,7 +134,13 @@ def chain(ray_session, task, tmp_path_factory):
     two_worker_state = torch.load(run_dir / "global_step_2" / "trainer_state.pt", weights_only=False)
     two_worker_shards = len(list((run_dir / "global_step_2" / "dcp" / "actor").glob("*.distcp")))
     with pytest.raises(KeyboardInterrupt):
-        train(None, args(task, run_dir, *workers(1)), reward_fn=Interrupt(run_dir, 4), log=lambda _: None)
+        train(
+            None,
+            args(task, run_dir, *workers(1), "trainer.colocate=false"),
+            reward_fn=Interrupt(run_dir, 4),
+            log=lambda _: None,
+        )
+    split_pools = sorted(p.name for p in run_dir.glob("workers_*.json"))
     after_one = sorted(p.name for p in run_dir.glob("global_step_*"))
     summary = train(None, args(task, run_dir, *workers(2)), log=lambda _: None)
     return dict(
@@ -136,6 +149,7 @@ def chain(ray_session, task, tmp_path_factory):
         stopped_after=stopped_after,
         after_death=after_death,
         after_one=after_one,
+        split_pools=split_pools,
         two_worker_state=two_worker_state,
         two_worker_shards=two_worker_shards,
         summary=summary,
@@ -148,11 +162,14 @@ def assert_same_steps(a_dir, b_dir, steps):
     for step in steps:
         for key in COMPARED:
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-5, abs=1e-7), (step, key)
-        wa = load_file(a_dir / f"global_step_{step}" / "actor" / "model.safetensors")
-        wb = load_file(b_dir / f"global_step_{step}" / "actor" / "model.safetensors")
-        assert wa.keys() == wb.keys()
-        for name in wa:
-            torch.testing.assert_close(wb[name], wa[name], rtol=1e-5, atol=1e-6, msg=f"step {step} {name}")
+        for role in ("actor", "critic"):
+            wa = load_file(a_dir / f"global_step_{step}" / role / "model.safetensors")
+            wb = load_file(b_dir / f"global_step_{step}" / role / "model.safetensors")
+            assert wa.keys() == wb.keys()
+            for name in wa:
+                torch.testing.assert_close(
+                    wb[name], wa[name], rtol=1e-5, atol=1e-6, msg=f"{step} {role} {name}"
+                )
 
 
 def test_two_ray_workers_match_the_single_process_run(local, chain):
@@ -186,6 +203,8 @@ def test_killed_worker_stops_the_run_naming_it(chain):
 
 def test_resume_two_to_one_to_two_workers_matches_the_single_process_run(local, chain):
     assert chain["after_one"] == ["global_step_1", "global_step_2", "global_step_3"]
+    # the one-worker segment ran one pool per role
+    assert {"workers_actor.json", "workers_ref.json", "workers_critic.json"} <= set(chain["split_pools"])
     assert chain["summary"]["start_step"] == 3
     steps = [r["step"] for r in read_metrics(chain["run_dir"] / "metrics.jsonl")]
     assert steps == [1, 2, 3, 4]  # each step logged once, the interrupted ones replaced
