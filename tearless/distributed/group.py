@@ -29,11 +29,16 @@ class WorkerError(RuntimeError):
     """A worker of a group failed, died or did not answer in time; the message names it."""
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
-    """Connect to the Ray cluster in ``RAY_ADDRESS`` or start a local one (no dashboard)."""
+def ensure_ray(num_workers: int) -> None:
+    """Connect to the Ray cluster in ``RAY_ADDRESS``, or start a local one (no dashboard) that
+    counts at least one CPU per worker, so that split pools fit on a small machine."""
+    import os
+
     import ray
 
     if not ray.is_initialized():
+        local = not os.environ.get("RAY_ADDRESS")
+        num_cpus = max(os.cpu_count() or 1, num_workers) if local else None
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True)
 
 
@@ -43,7 +48,6 @@ class WorkerGroup:
     def __init__(self, spec: WorkerSpec, world: int, *, name: str, run_dir: Path | None = None) -> None:
         import ray
 
-        ensure_ray(num_cpus=None)
         self.spec, self.world, self.name, self.timeout_s = spec, world, name, spec.timeout_s
         gpu = spec.device == "cuda"
         remote = ray.remote(RankWorker).options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)

@@ -27,7 +27,7 @@ import torch
 
 from tearless.config import Config
 from tearless.distributed import world_size
-from tearless.distributed.group import ActorGroup, CriticGroup, RefGroup, WorkerGroup
+from tearless.distributed.group import ActorGroup, CriticGroup, RefGroup, WorkerGroup, ensure_ray
 from tearless.distributed.worker import WorkerSpec
 from tearless.workers.critic import critic_settings
 
@@ -52,6 +52,7 @@ class RayWorkers:
         self.world = world
         pools = [tuple(roles)] if t.colocate else [(r,) for r in roles]
         self.groups: dict[str, WorkerGroup] = {}
+        ensure_ray(world * len(pools))
         try:
             for pool in pools:
                 spec = WorkerSpec(cfg, pool, paths, total_steps, device, t.worker_timeout_s)
