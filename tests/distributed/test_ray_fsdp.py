@@ -216,3 +216,28 @@ def test_a_ray_checkpoint_refuses_the_local_placement(chain, task, tmp_path):
     shutil.copytree(chain["run_dir"], run_dir)
     with pytest.raises(ValueError, match=r"trainer\.placement=ray"):
         train(None, args(task, run_dir, "trainer.total_training_steps=5"), log=lambda _: None)
+
+
+def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, task):
+    from tensordict import TensorDict
+
+    from tearless.config import load_config
+    from tearless.distributed.group import WorkerGroup
+    from tearless.distributed.worker import WorkerSpec
+
+    cfg = load_config(None, args(task, "unused"))
+    spec = WorkerSpec(cfg, ("ref",), {"ref": str(task.model_dir)}, 1, "cpu", TIMEOUT_S)
+    group = WorkerGroup(spec, 1, name="ref")
+    td = TensorDict(
+        {
+            k: torch.ones(1, 2, dtype=torch.long)
+            for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
+        },
+        batch_size=[1],
+    )
+    with pytest.raises(WorkerError) as info:
+        group.call("compute_log_prob", "actor", td, 1)  # this group holds no actor
+    message = str(info.value)
+    assert "ref worker rank 0 (pid" in message and "compute_log_prob" in message
+    assert "KeyError: 'actor'" in message and "Traceback" in message and "worker.py" in message
+    assert group.handles == []  # the group was stopped
