@@ -13,6 +13,7 @@ the single-process workers the trainer calls, so ``RLTrainer``'s loop is the sam
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
@@ -23,6 +24,8 @@ from tensordict import TensorDict
 
 from tearless.distributed.partition import balanced_partition, count_micro_batches, plan_updates, row_tokens
 from tearless.distributed.worker import RankWorker, WorkerSpec
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class WorkerError(RuntimeError):
@@ -112,7 +115,8 @@ class WorkerGroup:
                 pending.append(ref)
             except RayError as exc:
                 self.close()
-                raise WorkerError(f"{self._label(refs[ref])} failed during {doing}:\n{exc}") from None
+                remote = _ANSI.sub("", str(exc))  # Ray colours the remote traceback for terminals
+                raise WorkerError(f"{self._label(refs[ref])} failed during {doing}:\n{remote}") from None
         return [results[r] for r in ranks]
 
     def close(self) -> None:
