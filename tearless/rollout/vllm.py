@@ -86,7 +86,7 @@ class VLLMRollout:
             enable_sleep_mode=cfg.free_cache_engine,
             logprobs_mode="processed_logprobs",
         )
-        self.asleep = False
+        self.asleep, self.weights_awake = False, True
         self.sleep()
 
     # ------------------------------------------------------------------ hybrid engine
@@ -95,12 +95,13 @@ class VLLMRollout:
         CPU copy of the weights, so waking needs no reload). No-op without ``free_cache_engine``."""
         if self.cfg.free_cache_engine and not self.asleep:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.asleep, self.weights_awake = True, False
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
+    def wake_up(self) -> None:
+        """Bring back whatever is asleep: the KV cache, and the weights unless a sync woke them."""
         if self.asleep:
-            self.llm.wake_up(tags=tags)
-            self.asleep = tags is not None and "kv_cache" not in tags
+            self.llm.wake_up(tags=["kv_cache"] if self.weights_awake else None)
+            self.asleep, self.weights_awake = False, True
 
     # ------------------------------------------------------------------ weights
     def _model(self) -> torch.nn.Module:
@@ -113,8 +114,9 @@ class VLLMRollout:
         the old weights."""
 
         def load() -> None:
-            if self.asleep:
+            if not self.weights_awake:  # load into GPU memory, not into the sleeping engine's freed pages
                 self.llm.wake_up(tags=["weights"])
+                self.weights_awake = True
             if self.cfg.tensor_model_parallel_size > 1:
                 items = list(state_dict.items())
                 self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(items))
