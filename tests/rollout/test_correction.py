@@ -70,3 +70,26 @@ def test_hf_engine_matches_the_trainer_log_probs(task):
     _, m = rollout_correction(trainer_lp, out.log_probs, out.response_mask, level="token")
     assert m["rollout_corr/max_abs_log_ratio"] < 1e-4
     assert m["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_trainer_logs_the_mismatch_and_applies_tis(overrides, tmp_path):
+    """With the hf engine the sampler is the trainer's own model, so the weights are 1 up to float
+    noise and the TIS run's losses equal the plain run's: the wiring is exercised end to end."""
+    from tearless import train
+    from tearless.trainers.tracking import read_metrics
+
+    common = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_max_samples=4"]
+    common += ["actor_rollout_ref.rollout.val_kwargs.do_sample=false", "trainer.num_threads=1"]
+    train(None, overrides(tmp_path / "plain", *common), log=lambda _: None)
+    train(
+        None,
+        overrides(tmp_path / "tis", *common, "algorithm.rollout_correction.rollout_is=token"),
+        log=lambda _: None,
+    )
+    (plain,) = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    (tis,) = read_metrics(tmp_path / "tis" / "metrics.jsonl")
+    assert "rollout_corr/kl" not in plain  # on-policy with hf: no old log-probs, no mismatch to measure
+    assert tis["rollout_corr/max_abs_log_ratio"] < 1e-4
+    assert tis["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert tis["rollout_corr/is_clip_frac"] == 0.0
+    assert tis["actor/pg_loss"] == pytest.approx(plain["actor/pg_loss"], rel=1e-4, abs=1e-7)
