@@ -55,7 +55,7 @@ class WorkerGroup:
         gpu = spec.device == "cuda"
         remote = ray.remote(RankWorker).options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0)
         self.handles = [remote.remote(rank, world, spec) for rank in range(world)]
-        self.workers: list[dict[str, Any]] = [{"rank": r, "pid": None, "host": "?"} for r in range(world)]
+        self.workers: list[dict[str, Any]] = [{"rank": r, "pid": None, "host": None} for r in range(world)]
         self.workers = self.call("info", what="start")
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,8 @@ class WorkerGroup:
 
     def _label(self, rank: int) -> str:
         w = self.workers[rank]
-        return f"{self.name} worker rank {rank} (pid {w['pid']} on {w['host']})"
+        where = f"pid {w['pid']} on {w['host']}" if w["pid"] is not None else "process not started yet"
+        return f"{self.name} worker rank {rank} ({where})"
 
     def call(
         self,

@@ -243,3 +243,19 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
     assert "worker.py" in message and "self.roles[role]" in message and "KeyError: 'actor'" in message
     assert "\x1b[" not in message
     assert group.handles == []  # the group was stopped
+
+
+def test_a_worker_that_does_not_answer_in_time_is_named_and_stopped(ray_session, task):
+    from tearless.config import load_config
+    from tearless.distributed.group import WorkerGroup
+    from tearless.distributed.worker import WorkerSpec
+
+    cfg = load_config(None, args(task, "unused"))
+    # Starting a worker process takes seconds; a 50 ms limit on the first call cannot be met.
+    spec = WorkerSpec(cfg, ("ref",), {"ref": str(task.model_dir)}, 1, "cpu", 0.05)
+    started = time.monotonic()
+    with pytest.raises(
+        WorkerError, match=r"ref worker rank 0 .*no answer to start within trainer\.worker_timeout_s=0\.05"
+    ):
+        WorkerGroup(spec, 1, name="ref")
+    assert time.monotonic() - started < 5
