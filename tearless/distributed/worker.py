@@ -276,9 +276,3 @@ class RankWorker:
         load_optimizer(worker.model, worker.optimizer, Path(path))
         worker.scheduler.load_state_dict(state["scheduler"])
         worker.skipped_steps = state["skipped_steps"]
-
-    def shutdown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
