@@ -107,24 +107,6 @@ class RLTrainer:
             dtype=arr.model.dtype,
             gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         ).to(self.device)
-        eos = {self.tokenizer.eos_token_id}
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        if arr.rollout.name == "vllm":
-            from tearless.rollout.vllm import VLLMRollout
-
-            self.rollout = VLLMRollout(
-                str(resume_dir / "actor" if resume_dir else model_path),
-                arr.rollout,
-                dtype=arr.model.dtype,
-                eos_token_ids=sorted(eos),
-                pad_token_id=self.tokenizer.pad_token_id,
-                seed=t.seed,
-            )
-        else:
-            self.rollout = HFRollout(
-                self.model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
-            )
         self.workers = None
         if uses_ray(cfg):
             self._start_workers(model_path, resume_dir)
@@ -148,6 +130,24 @@ class RLTrainer:
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
             )
             self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
+        eos = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if arr.rollout.name == "vllm":
+            from tearless.rollout.vllm import VLLMRollout
+
+            self.rollout = VLLMRollout(
+                str(resume_dir / "actor" if resume_dir else model_path),
+                arr.rollout,
+                dtype=arr.model.dtype,
+                eos_token_ids=sorted(eos),
+                pad_token_id=self.tokenizer.pad_token_id,
+                seed=t.seed,
+            )
+        else:
+            self.rollout = HFRollout(
+                self.model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
+            )
         self.response_length = arr.rollout.response_length or data.max_response_length
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
@@ -219,20 +219,24 @@ class RLTrainer:
             critic_path = resume_dir / "critic" if resume_dir else (cfg.critic.model.path or model_path)
             paths["critic"] = str(critic_path)
             critic_model = load_value_model(paths["critic"], dtype=arr.model.dtype)
-        sync_to = [self.model.load_state_dict]
-        if hasattr(self.rollout, "update_weights"):
-            sync_to.append(self.rollout.update_weights)
         self.workers = RayWorkers(
             cfg,
             roles=roles,
             paths=paths,
             total_steps=self.total_steps,
             device=self.device.type,
-            sync_to=sync_to,
+            sync_to=[self._push_weights],
             critic_model=critic_model,
             run_dir=self.run_dir,
         )
         self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
+
+    def _push_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Where the Ray actor group sends the updated weights: the driver's copy of the policy
+        (rollout and checkpoints) and the rollout engine when it keeps its own (vLLM)."""
+        self.model.load_state_dict(state)
+        if hasattr(self.rollout, "update_weights"):
+            self.rollout.update_weights(state)
 
     def _find_resume(self) -> tuple[int, Path | None]:
         t = self.cfg.trainer
