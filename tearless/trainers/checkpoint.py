@@ -24,6 +24,7 @@ import errno
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,13 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int | None = None,
     extra_models: dict[str, torch.nn.Module] | None = None,
+    write_shards: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints.
 
     ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as ``save_pretrained`` directories
-    beside ``actor/``.
+    beside ``actor/``. ``write_shards(directory)`` adds files written by other processes (the Ray
+    workers' optimizer shards) inside the temporary directory, so they too appear only when complete.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,6 +95,8 @@ def save_checkpoint(
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
         faults.point("checkpoint_write", step)
+        if write_shards is not None:
+            write_shards(tmp)
         # Through a Python file object, so a failed write raises its OSError (torch's own writer
         # reports "unexpected pos" and loses the errno).
         with open(tmp / "trainer_state.pt", "wb") as f:
