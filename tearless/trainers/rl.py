@@ -576,7 +576,8 @@ class RLTrainer:
                 f.write(json.dumps({"step": self.start_step, **record}) + "\n")
 
     def _skipped_optimizer_steps(self) -> int:
-        return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic is not None else 0)
+        # The Ray placement's critic group does not count its skipped steps; its actor group does.
+        return self.actor.skipped_steps + getattr(self.critic, "skipped_steps", 0)
 
     def _bad_steps_message(self, step: int, checkpoint: str) -> str:
         first = step - self.bad_steps + 1
