@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_offline_parsers(sub)
     _add_report_parsers(sub)
     _add_samples_parser(sub)
+    from tearless.flow.cli import add_flow_parsers
+
+    add_flow_parsers(sub)
     return p
 
 
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return _data(args)
     if args.command == "samples":
         return _samples(args)
+    if args.command.startswith("flow-"):
+        from tearless.flow.cli import run as run_flow
+
+        return run_flow(args)
     if args.command in ("report", "compare"):
         return _report(args)
     if args.command in ("sft", "dpo"):

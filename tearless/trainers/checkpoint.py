@@ -38,7 +38,7 @@ def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
     *,
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
     state: dict[str, Any],
     keep: int | None = None,
@@ -46,8 +46,9 @@ def save_checkpoint(
 ) -> Path:
     """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints.
 
-    ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as ``save_pretrained`` directories
-    beside ``actor/``.
+    ``model`` is anything with ``save_pretrained(directory)``; ``tokenizer`` may be None for models
+    without one (the flow models). ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as
+    ``save_pretrained`` directories beside ``actor/``.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +59,8 @@ def save_checkpoint(
         tmp.mkdir()
         with quiet_transformers():
             model.save_pretrained(tmp / "actor")
-            tokenizer.save_pretrained(tmp / "actor")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "actor")
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
         torch.save(state, tmp / "trainer_state.pt")

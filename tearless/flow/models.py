@@ -1,0 +1,198 @@
+"""Velocity models: a small MLP for 2-D points, a small conv net for tiny images, an SD3 adapter.
+
+Every model is a callable ``velocity(x_t, t, cond) -> v`` (see :class:`tearless.flow.sampler.VelocityModel`).
+The built-in ones read ``cond`` as a (B,) int64 tensor of prompt ids, id ``num_prompts`` being the null
+prompt of classifier-free guidance; they save and load as a directory holding ``model.safetensors`` and
+``flow_model.json`` (the class and its constructor arguments).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def time_embedding(t: Tensor, dim: int) -> Tensor:
+    r"""Sinusoidal features of t ∈ [0, 1]: :math:`[\sin(1000 t f_k), \cos(1000 t f_k)]`, f_k = 10⁻⁴ᵏ/ᵈ."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+    args = 1000.0 * t.float()[:, None] * freqs[None]
+    return torch.cat([torch.sin(args), torch.cos(args)], -1).to(t.dtype)
+
+
+class MLPVelocity(nn.Module):
+    """v(x, t, c) for 2-D points: an MLP over [x, sinusoidal t-embedding, prompt embedding], SiLU."""
+
+    def __init__(self, num_prompts: int, dim: int = 2, hidden: int = 128, depth: int = 3, emb: int = 32):
+        super().__init__()
+        self.config = {"num_prompts": num_prompts, "dim": dim, "hidden": hidden, "depth": depth, "emb": emb}
+        self.emb_dim = emb
+        self.prompt_emb = nn.Embedding(num_prompts + 1, emb)
+        sizes = [dim + 2 * emb] + [hidden] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+        self.out = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor) -> Tensor:
+        h = torch.cat([x, time_embedding(t, self.emb_dim), self.prompt_emb(cond)], -1)
+        for layer in self.layers:
+            h = nn.functional.silu(layer(h))
+        return self.out(h)
+
+    def lora_targets(self) -> list[str]:
+        """Names of the linear layers LoRA adapts."""
+        return [f"layers.{i}" for i in range(len(self.layers))] + ["out"]
+
+
+class _ResBlock(nn.Module):
+    """conv → FiLM(t, prompt) → SiLU → conv, added back to the input."""
+
+    def __init__(self, channels: int, emb: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.film = nn.Linear(emb, 2 * channels)
+
+    def forward(self, h: Tensor, e: Tensor) -> Tensor:
+        scale, shift = self.film(e)[:, :, None, None].chunk(2, dim=1)
+        y = self.conv1(nn.functional.silu(h)) * (1 + scale) + shift
+        return h + self.conv2(nn.functional.silu(y))
+
+
+class ConvVelocity(nn.Module):
+    """v(x, t, c) for tiny images (B, C, H, W): residual 3×3 conv blocks with FiLM conditioning.
+
+    Two coordinate channels (x and y in [−1, 1]) are appended to the input, so the net can tie what it
+    draws to where (a plain conv net is translation-equivariant and could not learn "in the left half").
+    """
+
+    def __init__(self, num_prompts: int, channels: int = 1, width: int = 32, blocks: int = 3, emb: int = 64):
+        super().__init__()
+        self.config = {
+            "num_prompts": num_prompts,
+            "channels": channels,
+            "width": width,
+            "blocks": blocks,
+            "emb": emb,
+        }
+        self.emb_dim = emb
+        self.prompt_emb = nn.Embedding(num_prompts + 1, emb)
+        self.emb_mlp = nn.Sequential(nn.Linear(2 * emb, emb), nn.SiLU(), nn.Linear(emb, emb))
+        self.conv_in = nn.Conv2d(channels + 2, width, 3, padding=1)
+        self.blocks = nn.ModuleList(_ResBlock(width, emb) for _ in range(blocks))
+        self.conv_out = nn.Conv2d(width, channels, 3, padding=1)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor) -> Tensor:
+        b, _, hgt, wid = x.shape
+        ys = torch.linspace(-1, 1, hgt, device=x.device, dtype=x.dtype)
+        xs = torch.linspace(-1, 1, wid, device=x.device, dtype=x.dtype)
+        grid = torch.stack(torch.meshgrid(ys, xs, indexing="ij")).expand(b, 2, hgt, wid)
+        e = self.emb_mlp(torch.cat([time_embedding(t, self.emb_dim), self.prompt_emb(cond)], -1))
+        h = self.conv_in(torch.cat([x, grid], 1))
+        for block in self.blocks:
+            h = block(h, e)
+        return self.conv_out(nn.functional.silu(h))
+
+    def lora_targets(self) -> list[str]:
+        """Names of the conv and FiLM layers LoRA adapts."""
+        names = ["conv_in", "conv_out"]
+        for i in range(len(self.blocks)):
+            names += [f"blocks.{i}.conv1", f"blocks.{i}.conv2", f"blocks.{i}.film"]
+        return names
+
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"mlp": MLPVelocity, "conv": ConvVelocity}
+
+
+def save_flow_model(model: nn.Module, path: str | os.PathLike, **meta: Any) -> Path:
+    """Write ``model`` (a built-in velocity model) to directory ``path``; ``meta`` lands in the JSON."""
+    from safetensors.torch import save_file
+
+    kind = next((k for k, cls in MODEL_CLASSES.items() if type(model) is cls), None)
+    if kind is None:
+        raise TypeError(f"only built-in flow models can be saved this way, got {type(model).__name__}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    info = {"kind": kind, "config": model.config, **meta}
+    (path / "flow_model.json").write_text(json.dumps(info, indent=2))
+    return path
+
+
+def load_flow_model(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]:
+    """The model saved in ``path`` by :func:`save_flow_model` and the JSON metadata beside it."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    info_file = path / "flow_model.json"
+    if not info_file.is_file():
+        raise FileNotFoundError(
+            f"{path} is not a tearless flow model directory (no flow_model.json); make one with "
+            "`tearless flow-pretrain` or point model.path at its output"
+        )
+    info = json.loads(info_file.read_text())
+    if info.get("kind") not in MODEL_CLASSES:
+        raise ValueError(f"{info_file}: unknown model kind {info.get('kind')!r}; known: {sorted(MODEL_CLASSES)}")
+    model = MODEL_CLASSES[info["kind"]](**info["config"])
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    return model, info
+
+
+class SD3Velocity(nn.Module):
+    """Adapter of a diffusers ``SD3Transformer2DModel`` to ``velocity(x_t, t, cond)``.
+
+    ``cond`` is a dict with ``prompt_embeds`` (B, L, D) and ``pooled_prompt_embeds`` (B, P), what
+    ``StableDiffusion3Pipeline.encode_prompt`` returns; x_t are latents (B, C, H, W); t ∈ [0, 1] is
+    the scheduler's sigma, passed to the transformer as timestep = t · num_train_timesteps exactly as
+    the SD3 pipeline does. The transformer predicts v = ε − x_0, this module's convention.
+    """
+
+    def __init__(self, transformer: nn.Module, num_train_timesteps: int = 1000):
+        super().__init__()
+        self.transformer = transformer
+        self.num_train_timesteps = num_train_timesteps
+
+    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
+        return self.transformer(
+            hidden_states=x,
+            timestep=t * self.num_train_timesteps,
+            encoder_hidden_states=cond["prompt_embeds"],
+            pooled_projections=cond["pooled_prompt_embeds"],
+            return_dict=False,
+        )[0]
+
+    def lora_targets(self) -> list[str]:
+        """Flow-GRPO's LoRA targets on the SD3 attention projections."""
+        return ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def scheduler_sigmas(scheduler: Any, num_steps: int) -> Tensor:
+    """The T + 1 sigmas (shift included, ending at 0) of a ``FlowMatchEulerDiscreteScheduler``."""
+    scheduler.set_timesteps(num_steps)
+    return scheduler.sigmas.detach().float().cpu()
+
+
+def load_sd3(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[SD3Velocity, Any]:
+    """The transformer and scheduler of a local SD3-style pipeline directory, as (velocity model, scheduler).
+
+    Reads ``<path>/transformer`` and ``<path>/scheduler`` (the layout ``save_pretrained`` of a
+    ``StableDiffusion3Pipeline`` writes); prompts are encoded by the caller (e.g. with the pipeline's
+    own ``encode_prompt``) into the ``cond`` dict :class:`SD3Velocity` reads.
+    """
+    try:
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+    except ImportError as e:
+        raise ImportError("the SD3 adapter needs diffusers: pip install diffusers") from e
+    root = Path(path)
+    for sub in ("transformer", "scheduler"):
+        if not (root / sub).is_dir():
+            raise FileNotFoundError(f"{root} has no {sub}/ folder; point at a diffusers SD3 pipeline directory")
+    transformer = SD3Transformer2DModel.from_pretrained(root, subfolder="transformer", torch_dtype=dtype)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(root, subfolder="scheduler")
+    return SD3Velocity(transformer, scheduler.config.num_train_timesteps), scheduler

@@ -1,0 +1,232 @@
+"""Embedded Flow-GRPO tasks: procedural data for pre-training, a rule reward for RL, quality metrics.
+
+A task (:class:`FlowTask`) tells the trainer how many prompts there are, the shape of one sample, how
+to turn prompt ids into the model's ``cond`` (and the null ``uncond`` of classifier-free guidance),
+how to draw pre-training data, and how to score samples. A reward is a plain function
+``reward(samples (B, ...), prompt_ids (B,)) -> (B,) float``; :func:`load_reward_fn` loads a user's.
+
+- ``points2d``: 4 prompts; prompt c is a mixture of 4 Gaussians (std 0.15) on a radius-2 ring at
+  angles 2πj/4 + cπ/8. The reward asks for one mode only, exp(−‖x − m_c‖²/(2·0.4²)) with m_c the j = 0
+  centre: the base model puts about a quarter of its mass there.
+- ``shapes``: 8 prompts = 4 shapes (1×4 bar, 4×1 bar, 3×3 square, 2×2 square; doubled at 16×16) × the
+  requested half (left, right), drawn white on black at a uniform random position. The data ignore the
+  half (like a base model that ignores position words), so the pre-trained model draws the right shape
+  in either half. Reward 1 when the image holds the requested shape (bounding box of the lit pixels of
+  the shape's size, lit-pixel count within one of its area) with its centroid in the requested half.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from tearless.flow.models import ConvVelocity, MLPVelocity
+
+RewardFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class FlowTask(Protocol):
+    name: str
+    num_prompts: int
+    sample_shape: tuple[int, ...]
+
+    def prompt_names(self) -> list[str]: ...
+    def data(self, prompt_ids: Tensor, generator: torch.Generator) -> Tensor: ...
+    def cond(self, prompt_ids: Tensor) -> Any: ...
+    def uncond(self, prompt_ids: Tensor) -> Any: ...
+    def reward(self, samples: Tensor, prompt_ids: Tensor) -> Tensor: ...
+    def metrics(self, samples: Tensor, prompt_ids: Tensor) -> dict[str, float]: ...
+    def build_model(self, **kwargs: Any) -> nn.Module: ...
+
+
+class _IdConditioned:
+    """cond = the prompt ids; the null prompt of CFG is id ``num_prompts``."""
+
+    num_prompts: int
+
+    def cond(self, prompt_ids: Tensor) -> Tensor:
+        return prompt_ids
+
+    def uncond(self, prompt_ids: Tensor) -> Tensor:
+        return torch.full_like(prompt_ids, self.num_prompts)
+
+
+class Points2D(_IdConditioned):
+    """Class-conditional 2-D point clouds with a reward for one requested mode (see the module doc)."""
+
+    name = "points2d"
+    sample_shape = (2,)
+
+    def __init__(self, num_prompts: int = 4, modes: int = 4, radius: float = 2.0, std: float = 0.15,
+                 reward_width: float = 0.4, hit_radius: float = 0.5):
+        self.num_prompts, self.modes, self.radius, self.std = num_prompts, modes, radius, std
+        self.reward_width, self.hit_radius = reward_width, hit_radius
+
+    def prompt_names(self) -> list[str]:
+        return [f"class {c}" for c in range(self.num_prompts)]
+
+    def centres(self, prompt_ids: Tensor) -> Tensor:
+        """(B, modes, 2): the mode centres of each row's prompt."""
+        j = torch.arange(self.modes, dtype=torch.float32)
+        angle = 2 * math.pi * j[None] / self.modes + prompt_ids.float()[:, None] * math.pi / (2 * self.modes)
+        return self.radius * torch.stack([torch.cos(angle), torch.sin(angle)], -1)
+
+    def data(self, prompt_ids: Tensor, generator: torch.Generator) -> Tensor:
+        mode = torch.randint(self.modes, prompt_ids.shape, generator=generator)
+        centre = self.centres(prompt_ids)[torch.arange(len(prompt_ids)), mode]
+        return centre + self.std * torch.randn(len(prompt_ids), 2, generator=generator)
+
+    def reward(self, samples: Tensor, prompt_ids: Tensor) -> Tensor:
+        target = self.centres(prompt_ids)[:, 0]
+        return torch.exp(-(samples.float() - target).square().sum(-1) / (2 * self.reward_width**2))
+
+    def metrics(self, samples: Tensor, prompt_ids: Tensor) -> dict[str, float]:
+        """Reward; ``target_hit`` (within hit_radius of the requested mode); ``on_mode`` (within
+        hit_radius of any mode of the prompt: the samples are still data-like); ``spread`` (mean
+        distance to the nearest mode centre, a diversity proxy)."""
+        dist = (samples.float()[:, None] - self.centres(prompt_ids)).norm(dim=-1)
+        return {
+            "reward": float(self.reward(samples, prompt_ids).mean()),
+            "target_hit": float((dist[:, 0] < self.hit_radius).float().mean()),
+            "on_mode": float((dist.min(-1).values < self.hit_radius).float().mean()),
+            "spread": float(dist.min(-1).values.mean()),
+        }
+
+    def build_model(self, **kwargs: Any) -> nn.Module:
+        return MLPVelocity(self.num_prompts, **kwargs)
+
+
+class Shapes(_IdConditioned):
+    """Procedurally drawn tiny images: the requested shape in the requested half (see the module doc)."""
+
+    name = "shapes"
+    SHAPES = (("bar1x4", 1, 4), ("bar4x1", 4, 1), ("square3", 3, 3), ("square2", 2, 2))
+    HALVES = ("left", "right")
+
+    def __init__(self, image_size: int = 8):
+        if image_size not in (8, 16):
+            raise ValueError(f"shapes: image_size must be 8 or 16, got {image_size}")
+        self.size = image_size
+        self.scale = image_size // 8
+        self.num_prompts = len(self.SHAPES) * len(self.HALVES)
+        self.sample_shape = (1, image_size, image_size)
+
+    def prompt_names(self) -> list[str]:
+        return [f"{s[0]} {h}" for s in self.SHAPES for h in self.HALVES]
+
+    def _dims(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+        shape = prompt_ids // len(self.HALVES)
+        hs = torch.tensor([s[1] for s in self.SHAPES])[shape] * self.scale
+        ws = torch.tensor([s[2] for s in self.SHAPES])[shape] * self.scale
+        return hs, ws
+
+    def data(self, prompt_ids: Tensor, generator: torch.Generator) -> Tensor:
+        hs, ws = self._dims(prompt_ids)
+        n = len(prompt_ids)
+        top = (torch.rand(n, generator=generator) * (self.size - hs + 1)).long()
+        left = (torch.rand(n, generator=generator) * (self.size - ws + 1)).long()
+        idx = torch.arange(self.size)
+        rows = (idx[None] >= top[:, None]) & (idx[None] < (top + hs)[:, None])
+        cols = (idx[None] >= left[:, None]) & (idx[None] < (left + ws)[:, None])
+        lit = rows[:, :, None] & cols[:, None, :]
+        return (lit.float() * 2 - 1)[:, None]
+
+    def _checks(self, samples: Tensor, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+        lit = samples[:, 0] > 0
+        hs, ws = self._dims(prompt_ids)
+        count = lit.sum((1, 2))
+        any_row, any_col = lit.any(2), lit.any(1)
+        idx = torch.arange(self.size)
+        big = self.size + 1
+
+        def extent(mask: Tensor) -> Tensor:
+            first = torch.where(mask, idx, big).amin(1)
+            last = torch.where(mask, idx, -1).amax(1)
+            return last - first + 1
+
+        shape_ok = (extent(any_row) == hs) & (extent(any_col) == ws) & ((count - hs * ws).abs() <= 1)
+        col_centroid = (lit.float() * idx.float()).sum((1, 2)) / count.clamp(min=1)
+        centre = (self.size - 1) / 2
+        want_left = prompt_ids % len(self.HALVES) == 0
+        half_ok = torch.where(want_left, col_centroid < centre, col_centroid > centre) & (count > 0)
+        return shape_ok, half_ok
+
+    def reward(self, samples: Tensor, prompt_ids: Tensor) -> Tensor:
+        shape_ok, half_ok = self._checks(samples, prompt_ids)
+        return (shape_ok & half_ok).float()
+
+    def metrics(self, samples: Tensor, prompt_ids: Tensor) -> dict[str, float]:
+        """Reward; ``shape_ok`` (the requested shape is drawn, anywhere: the quality clause);
+        ``half_ok`` (the lit pixels' centroid is in the requested half)."""
+        shape_ok, half_ok = self._checks(samples, prompt_ids)
+        return {
+            "reward": float((shape_ok & half_ok).float().mean()),
+            "shape_ok": float(shape_ok.float().mean()),
+            "half_ok": float(half_ok.float().mean()),
+        }
+
+    def build_model(self, **kwargs: Any) -> nn.Module:
+        return ConvVelocity(self.num_prompts, channels=1, **kwargs)
+
+
+TASKS: dict[str, Callable[..., FlowTask]] = {"points2d": Points2D, "shapes": Shapes}
+
+
+def make_task(name: str, *, image_size: int = 8) -> FlowTask:
+    """The embedded task ``name`` (``points2d`` or ``shapes``)."""
+    if name == "points2d":
+        return Points2D()
+    if name == "shapes":
+        return Shapes(image_size)
+    raise ValueError(f"unknown flow task {name!r}; known: {', '.join(TASKS)}")
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """``"package.module:function"`` or ``"path/to/file.py:function"`` → the function.
+
+    The function takes ``(samples, prompt_ids)`` (tensors, batch first) and returns (B,) rewards.
+    """
+    if ":" not in spec:
+        raise ValueError(f"task.reward_fn {spec!r} must be 'module:function' or 'file.py:function'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise FileNotFoundError(f"task.reward_fn: file {where!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"_tearless_flow_reward_{path.stem}", path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"task.reward_fn: {where!r} has no function {name!r}")
+    return fn
+
+
+def image_grid(rows: list[Tensor], path: str | Path, *, upscale: int = 4, gap: int = 1) -> Path:
+    """Save image batches as one PNG: ``rows`` are (N, 1, H, W) tensors in [−1, 1], one grid row each."""
+    from PIL import Image
+
+    n = max(len(r) for r in rows)
+    h, w = rows[0].shape[-2:]
+    canvas = torch.full((len(rows) * (h + gap) - gap, n * (w + gap) - gap), 0.35)
+    for i, batch in enumerate(rows):
+        for j, img in enumerate(batch):
+            canvas[i * (h + gap): i * (h + gap) + h, j * (w + gap): j * (w + gap) + w] = (
+                img[0].clamp(-1, 1) + 1
+            ) / 2
+    pixels = (canvas * 255).round().to(torch.uint8).numpy()
+    image = Image.fromarray(pixels, mode="L").resize((canvas.shape[1] * upscale, canvas.shape[0] * upscale),
+                                                      Image.NEAREST)
+    path = Path(path)
+    image.save(path)
+    return path
