@@ -138,7 +138,11 @@ class FlowGRPOTrainer:
         reward_fn: RewardFn | None = None,
         run_dir: str | Path | None = None,
         log: Any = print,
+        train_sigmas: Tensor | None = None,
+        eval_sigmas: Tensor | None = None,
     ):
+        """``train_sigmas`` / ``eval_sigmas`` (T+1,) replace the schedules built from ``sample.*``
+        (e.g. a diffusers scheduler's, from :func:`~tearless.flow.models.scheduler_sigmas`)."""
         self.cfg, self.task, self.log = cfg, task, log
         t = cfg.trainer
         if t.num_threads:
@@ -167,8 +171,17 @@ class FlowGRPOTrainer:
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
         self.ema = EMA(self.params, tc.ema_decay) if tc.ema else None
-        self.train_sigmas = sigma_schedule(cfg.sample.num_steps, cfg.shift())
-        self.eval_sigmas = sigma_schedule(cfg.sample.eval_num_steps, cfg.shift())
+        self.train_sigmas = (
+            sigma_schedule(cfg.sample.num_steps, cfg.shift()) if train_sigmas is None else train_sigmas
+        )
+        self.eval_sigmas = (
+            sigma_schedule(cfg.sample.eval_num_steps, cfg.shift()) if eval_sigmas is None else eval_sigmas
+        )
+        if len(self.train_sigmas) != cfg.sample.num_steps + 1:
+            raise ValueError(
+                f"train_sigmas has {len(self.train_sigmas)} values but sample.num_steps="
+                f"{cfg.sample.num_steps} needs {cfg.sample.num_steps + 1}"
+            )
         self.trained_steps = cfg.trained_steps()
         stds = [step_params(self.train_sigmas, j, cfg.sample.noise_level).std for j in self.trained_steps]
         mean_std = sum(stds) / len(stds)
