@@ -176,7 +176,7 @@ def grpo_advantage(
         if std_scope == "group":
             std = _group_std(centred, ids, sizes)
         else:
-            std = rewards.std() if rewards.numel() > 1 else torch.ones((), dtype=rewards.dtype, device=rewards.device)
+            std = rewards.std() if rewards.numel() > 1 else torch.ones_like(rewards[0])
         adv = adv / (std + epsilon)
     adv = _tile(adv, response_mask)
     return adv, adv

@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
     for key in sorted(summary["before"]):
         b, a = summary["before"][key], summary["after"].get(key)
         print(f"val/{key:<20} before {b:.4f}  after {a:.4f}")
-    print(f"run directory: {summary['run_dir']} ({summary['epochs']} epochs, {summary['seconds']:.0f} s); "
-          f"checkpoint: {summary['checkpoint']}")
+    print(
+        f"run directory: {summary['run_dir']} ({summary['epochs']} epochs, {summary['seconds']:.0f} s); "
+        f"checkpoint: {summary['checkpoint']}"
+    )
     if "grid" in summary:
         print(f"samples before/after: {summary['grid']}")
     return 0

@@ -48,7 +48,9 @@ class FlowModelConfig:
 
 @dataclass
 class PretrainConfig:
-    steps: int = doc(-1, "optimizer steps of flow-matching pre-training; -1 = the task's (points2d 4000, shapes 3000)")
+    steps: int = doc(
+        -1, "optimizer steps of flow-matching pre-training; -1 = the task's (points2d 4000, shapes 3000)"
+    )
     batch_size: int = doc(-1, "samples per pre-training step; -1 = the task's (points2d 256, shapes 128)")
     lr: float = doc(2e-3, "AdamW learning rate (cosine decay to 0)")
     cfg_dropout: float = doc(0.1, "probability of training on the null prompt (for classifier-free guidance)")
@@ -90,7 +92,9 @@ class FlowTrainConfig:
         "exact",
         "exact: ||mu-mu_ref||²/(2σ_t²h) | official: without h, as Flow-GRPO's code since July 2025",
     )
-    timestep_fraction: float = doc(0.99, "train the first int(num_steps·fraction) steps (0.99: all but the last)")
+    timestep_fraction: float = doc(
+        0.99, "train the first int(num_steps·fraction) steps (0.99: all but the last)"
+    )
     timesteps: Any = doc(None, "explicit list of trained step indices (overrides timestep_fraction)")
     noise_aware_weighting: bool = doc(
         False, "weight each step's loss by σ_t√h / mean over trained steps (TempFlow-GRPO's 2.25·σ_t√h)"
@@ -141,7 +145,9 @@ class FlowConfig:
                 positive(f"pretrain.{key}", getattr(self.pretrain, key))
         positive("pretrain.lr", self.pretrain.lr)
         if not 0 <= self.pretrain.cfg_dropout < 1:
-            fail("pretrain.cfg_dropout", f"must be in [0, 1), got {self.pretrain.cfg_dropout}", "Use e.g. 0.1.")
+            fail(
+                "pretrain.cfg_dropout", f"must be in [0, 1), got {self.pretrain.cfg_dropout}", "Use e.g. 0.1."
+            )
         s = self.sample
         positive("sample.num_steps", s.num_steps)
         positive("sample.eval_num_steps", s.eval_num_steps)
@@ -152,10 +158,21 @@ class FlowConfig:
         positive("sample.guidance_scale", s.guidance_scale)
         one_of("sample.log_prob_reduce", s.log_prob_reduce, ("mean", "sum"))
         t = self.train
-        for key in ("epochs", "prompts_per_epoch", "updates_per_epoch", "inner_epochs", "lora_rank", "ema_every"):
+        for key in (
+            "epochs",
+            "prompts_per_epoch",
+            "updates_per_epoch",
+            "inner_epochs",
+            "lora_rank",
+            "ema_every",
+        ):
             positive(f"train.{key}", getattr(t, key))
         if t.group_size < 2:
-            fail("train.group_size", f"must be >= 2, got {t.group_size}", "A group needs two samples to compare.")
+            fail(
+                "train.group_size",
+                f"must be >= 2, got {t.group_size}",
+                "A group needs two samples to compare.",
+            )
         batch = t.prompts_per_epoch * t.group_size
         if batch % t.updates_per_epoch:
             fail(
@@ -189,7 +206,9 @@ class FlowConfig:
                     "List each trained step once, or set it to null.",
                 )
         if len(self.trainer.logger) == 0 or any(x not in LOGGERS for x in self.trainer.logger):
-            fail("trainer.logger", f"{self.trainer.logger} must be a non-empty subset of {LOGGERS}", "Fix it.")
+            fail(
+                "trainer.logger", f"{self.trainer.logger} must be a non-empty subset of {LOGGERS}", "Fix it."
+            )
         one_of("trainer.device", self.trainer.device, DEVICES)
         positive("trainer.test_freq", self.trainer.test_freq)
         positive("trainer.log_freq", self.trainer.log_freq)

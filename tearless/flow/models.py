@@ -8,6 +8,7 @@ prompt of classifier-free guidance; they save and load as a directory holding ``
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -35,7 +36,7 @@ class MLPVelocity(nn.Module):
         self.emb_dim = emb
         self.prompt_emb = nn.Embedding(num_prompts + 1, emb)
         sizes = [dim + 2 * emb] + [hidden] * depth
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in itertools.pairwise(sizes))
         self.out = nn.Linear(hidden, dim)
 
     def forward(self, x: Tensor, t: Tensor, cond: Tensor) -> Tensor:
@@ -138,7 +139,9 @@ def load_flow_model(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]
         )
     info = json.loads(info_file.read_text())
     if info.get("kind") not in MODEL_CLASSES:
-        raise ValueError(f"{info_file}: unknown model kind {info.get('kind')!r}; known: {sorted(MODEL_CLASSES)}")
+        raise ValueError(
+            f"{info_file}: unknown model kind {info.get('kind')!r}; known: {sorted(MODEL_CLASSES)}"
+        )
     model = MODEL_CLASSES[info["kind"]](**info["config"])
     model.load_state_dict(load_file(str(path / "model.safetensors")))
     return model, info
@@ -192,7 +195,9 @@ def load_sd3(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> 
     root = Path(path)
     for sub in ("transformer", "scheduler"):
         if not (root / sub).is_dir():
-            raise FileNotFoundError(f"{root} has no {sub}/ folder; point at a diffusers SD3 pipeline directory")
+            raise FileNotFoundError(
+                f"{root} has no {sub}/ folder; point at a diffusers SD3 pipeline directory"
+            )
     transformer = SD3Transformer2DModel.from_pretrained(root, subfolder="transformer", torch_dtype=dtype)
     scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(root, subfolder="scheduler")
     return SD3Velocity(transformer, scheduler.config.num_train_timesteps), scheduler

@@ -14,9 +14,9 @@ rate to 0.
 from __future__ import annotations
 
 import hashlib
-import shutil
 import json
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -108,7 +108,7 @@ def pretrained_base(
         seed=settings["seed"],
         log=log,
     )
-    tail = losses[-min(len(losses), 200):]
+    tail = losses[-min(len(losses), 200) :]
     tmp = path.with_name(f".{path.name}.tmp")
     save_flow_model(
         model,

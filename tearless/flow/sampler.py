@@ -185,7 +185,9 @@ def sample_ode(
     x = noise
     for i in range(len(sigmas) - 1):
         t, t_next = float(sigmas[i]), float(sigmas[i + 1])
-        x = x + (t_next - t) * guided_velocity(model, x, t, cond, guidance_scale=guidance_scale, uncond=uncond)
+        x = x + (t_next - t) * guided_velocity(
+            model, x, t, cond, guidance_scale=guidance_scale, uncond=uncond
+        )
     return x
 
 

@@ -64,8 +64,15 @@ class Points2D(_IdConditioned):
     name = "points2d"
     sample_shape = (2,)
 
-    def __init__(self, num_prompts: int = 4, modes: int = 4, radius: float = 2.0, std: float = 0.15,
-                 reward_width: float = 0.4, hit_radius: float = 0.5):
+    def __init__(
+        self,
+        num_prompts: int = 4,
+        modes: int = 4,
+        radius: float = 2.0,
+        std: float = 0.15,
+        reward_width: float = 0.4,
+        hit_radius: float = 0.5,
+    ):
         self.num_prompts, self.modes, self.radius, self.std = num_prompts, modes, radius, std
         self.reward_width, self.hit_radius = reward_width, hit_radius
 
@@ -221,12 +228,13 @@ def image_grid(rows: list[Tensor], path: str | Path, *, upscale: int = 4, gap: i
     canvas = torch.full((len(rows) * (h + gap) - gap, n * (w + gap) - gap), 0.35)
     for i, batch in enumerate(rows):
         for j, img in enumerate(batch):
-            canvas[i * (h + gap): i * (h + gap) + h, j * (w + gap): j * (w + gap) + w] = (
+            canvas[i * (h + gap) : i * (h + gap) + h, j * (w + gap) : j * (w + gap) + w] = (
                 img[0].clamp(-1, 1) + 1
             ) / 2
     pixels = (canvas * 255).round().to(torch.uint8).numpy()
-    image = Image.fromarray(pixels, mode="L").resize((canvas.shape[1] * upscale, canvas.shape[0] * upscale),
-                                                      Image.NEAREST)
+    image = Image.fromarray(pixels, mode="L").resize(
+        (canvas.shape[1] * upscale, canvas.shape[0] * upscale), Image.NEAREST
+    )
     path = Path(path)
     image.save(path)
     return path

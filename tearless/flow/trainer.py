@@ -41,7 +41,14 @@ from torch import Tensor, nn
 from tearless.algos import compute_advantage, gaussian_kl, policy_loss
 from tearless.flow.config import FlowConfig
 from tearless.flow.models import save_flow_model
-from tearless.flow.sampler import Trajectory, sample_ode, sample_sde, sigma_schedule, step_log_prob, step_params
+from tearless.flow.sampler import (
+    Trajectory,
+    sample_ode,
+    sample_sde,
+    sigma_schedule,
+    step_log_prob,
+    step_params,
+)
 from tearless.flow.tasks import FlowTask, RewardFn, image_grid
 
 
@@ -81,7 +88,7 @@ def clipped_step_loss(
 
 
 class EMA:
-    r"""Exponential moving average of parameters: :math:`\bar\theta \leftarrow d\,\bar\theta + (1-d)\theta`."""
+    r"""Exponential moving average of parameters: :math:`\bar\theta \leftarrow d\bar\theta + (1-d)\theta`."""
 
     def __init__(self, params: list[nn.Parameter], decay: float):
         self.params, self.decay = params, decay
@@ -162,14 +169,18 @@ class FlowGRPOTrainer:
                 from peft import LoraConfig, get_peft_model
             except ImportError as e:
                 raise ImportError("train.lora=true needs peft: pip install 'tearless[lora]'") from e
-            lora = LoraConfig(r=tc.lora_rank, lora_alpha=tc.lora_alpha, target_modules=base_model.lora_targets())
+            lora = LoraConfig(
+                r=tc.lora_rank, lora_alpha=tc.lora_alpha, target_modules=base_model.lora_targets()
+            )
             self.policy = get_peft_model(base_model, lora)
         else:
             self.policy = base_model
             if tc.beta > 0:
                 self.ref = copy.deepcopy(base_model).requires_grad_(False)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+        )
         self.ema = EMA(self.params, tc.ema_decay) if tc.ema else None
         self.train_sigmas = (
             sigma_schedule(cfg.sample.num_steps, cfg.shift()) if train_sigmas is None else train_sigmas
@@ -232,7 +243,9 @@ class FlowGRPOTrainer:
             reduce=s.log_prob_reduce,
         )
 
-    def update(self, traj: Trajectory, prompt_ids: Tensor, advantages: Tensor, rows: Tensor) -> dict[str, float]:
+    def update(
+        self, traj: Trajectory, prompt_ids: Tensor, advantages: Tensor, rows: Tensor
+    ) -> dict[str, float]:
         """One optimizer step on the samples ``rows`` of the epoch's rollouts, every trained step."""
         s, tc = self.cfg.sample, self.cfg.train
         ids = prompt_ids[rows].to(self.device)
@@ -277,7 +290,9 @@ class FlowGRPOTrainer:
         traj = self.rollout(prompt_ids, generator)
         rewards = self.reward_fn(traj.samples, prompt_ids.to(self.device)).float().cpu()
         if rewards.shape != prompt_ids.shape:
-            raise ValueError(f"the reward function returned shape {tuple(rewards.shape)}, expected ({len(rewards)},)")
+            raise ValueError(
+                f"the reward function returned shape {tuple(rewards.shape)}, expected ({len(rewards)},)"
+            )
         adv = flow_advantages(
             rewards, prompt_ids, std_scope=tc.std_scope, epsilon=tc.adv_epsilon, clip_max=tc.adv_clip_max
         )

@@ -37,7 +37,9 @@ def test_grpo_batch_std_scope_hand_worked():
     assert per_row(adv) == pytest.approx([0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0, 0.0])
     # The default (group scope) is unchanged by the new keyword.
     default, _ = compute_advantage("grpo", token_level_rewards=r, response_mask=m, index=index)
-    group, _ = compute_advantage("grpo", token_level_rewards=r, response_mask=m, index=index, std_scope="group")
+    group, _ = compute_advantage(
+        "grpo", token_level_rewards=r, response_mask=m, index=index, std_scope="group"
+    )
     assert torch.equal(default, group)
     assert per_row(default)[0] == pytest.approx(0.5 / (0.5**0.5 + EPS))
     with pytest.raises(ValueError, match="std_scope"):

@@ -93,7 +93,9 @@ def test_cfg_on_and_off():
     v_c, v_u = flow(x, tt, cond), flow(x, tt, null)
     assert torch.equal(guided_velocity(flow, x, 0.6, cond), v_c)
     assert torch.equal(guided_velocity(flow, x, 0.6, cond, guidance_scale=1.0, uncond=null), v_c)
-    assert torch.allclose(guided_velocity(flow, x, 0.6, cond, guidance_scale=3.0, uncond=null), v_u + 3 * (v_c - v_u))
+    assert torch.allclose(
+        guided_velocity(flow, x, 0.6, cond, guidance_scale=3.0, uncond=null), v_u + 3 * (v_c - v_u)
+    )
     # The field is affine in the data mean, so guidance w samples the mean m_u + w(m_c − m_u) = 1 + 2·1.
     noise = torch.randn(4000, 2, generator=torch.Generator().manual_seed(0))
     ones, zeros = torch.ones(4000), torch.zeros(4000)

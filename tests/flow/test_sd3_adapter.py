@@ -103,8 +103,14 @@ def test_flow_grpo_epoch_with_lora_on_the_sd3_transformer(pipeline_dir, tmp_path
     model, scheduler = load_sd3(pipeline_dir)
     cfg = load_config(
         None,
-        ["sample.num_steps=3", "train.prompts_per_epoch=2", "train.group_size=2", "train.updates_per_epoch=1",
-         "sample.guidance_scale=2.0", f"trainer.default_local_dir={tmp_path}"],
+        [
+            "sample.num_steps=3",
+            "train.prompts_per_epoch=2",
+            "train.group_size=2",
+            "train.updates_per_epoch=1",
+            "sample.guidance_scale=2.0",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
         schema=FlowConfig,
     )
     trainer = FlowGRPOTrainer(cfg, EmbeddingTask(), model, train_sigmas=scheduler_sigmas(scheduler, 3))

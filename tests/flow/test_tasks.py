@@ -6,7 +6,7 @@ from tearless.flow.tasks import Points2D, Shapes, image_grid, load_reward_fn, ma
 
 def draw(size, top, left, h, w):
     img = -torch.ones(1, size, size)
-    img[0, top: top + h, left: left + w] = 1.0
+    img[0, top : top + h, left : left + w] = 1.0
     return img
 
 
@@ -22,8 +22,9 @@ def test_shapes_reward_hand_cases():
     missing = draw(8, 0, 0, 3, 3)
     missing[0, 1, 1] = -1.0  # a 3×3 square with one pixel off: count 8 is within one of 9
     samples = torch.stack([left_square, right_square, left_square, stray, left_square, missing])
-    ids = torch.tensor([square2_left, square2_right, square2_right, square2_left, bar_left,
-                        names.index("square3 left")])
+    ids = torch.tensor(
+        [square2_left, square2_right, square2_right, square2_left, bar_left, names.index("square3 left")]
+    )
     assert task.reward(samples, ids).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     m = task.metrics(samples, ids)
     assert m["shape_ok"] == pytest.approx(4 / 6) and m["half_ok"] == pytest.approx(5 / 6)

@@ -102,8 +102,19 @@ def test_first_update_is_on_policy_and_the_reference_starts_equal(tmp_path, base
     assert out["actor/kl_loss"] > 0
 
 
-@pytest.mark.parametrize("overrides", [(), ("train.lora=false", "train.kl_variant=official", "train.ema=true",
-                                             "train.ema_every=1", "train.noise_aware_weighting=true")])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        (
+            "train.lora=false",
+            "train.kl_variant=official",
+            "train.ema=true",
+            "train.ema_every=1",
+            "train.noise_aware_weighting=true",
+        ),
+    ],
+)
 def test_variants_run_and_drop_zero_advantage_samples(tmp_path, base_points, overrides):
     task, model = fresh_model(base_points)
     cfg = small_cfg(tmp_path, "train.epochs=2", *overrides)
