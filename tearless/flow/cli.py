@@ -63,8 +63,12 @@ def run(args: argparse.Namespace) -> int:
     task = make_task(cfg.task.name, image_size=cfg.task.image_size)
     if args.command == "flow-pretrain":
         return _pretrain(cfg, task)
-    reward_fn = load_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
-    model, source = base_model(cfg, task)
+    try:
+        reward_fn = load_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else None
+        model, source = base_model(cfg, task)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"tearless: {e}", file=sys.stderr)
+        return 2
     from tearless.flow.trainer import FlowGRPOTrainer
 
     summary = FlowGRPOTrainer(cfg, task, model, reward_fn=reward_fn).fit()

@@ -100,8 +100,9 @@ class ConvVelocity(nn.Module):
         return self.conv_out(nn.functional.silu(h))
 
     def lora_targets(self) -> list[str]:
-        """Names of the conv and FiLM layers LoRA adapts."""
-        names = ["conv_in", "conv_out"]
+        """Names of the layers LoRA adapts: convs, FiLM, and the embedding MLP (so that an adapter can
+        amplify a prompt difference the base model learned to ignore, like a text encoder's)."""
+        names = ["conv_in", "conv_out", "emb_mlp.0", "emb_mlp.2"]
         for i in range(len(self.blocks)):
             names += [f"blocks.{i}.conv1", f"blocks.{i}.conv2", f"blocks.{i}.film"]
         return names

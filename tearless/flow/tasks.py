@@ -8,11 +8,14 @@ how to draw pre-training data, and how to score samples. A reward is a plain fun
 - ``points2d``: 4 prompts; prompt c is a mixture of 4 Gaussians (std 0.15) on a radius-2 ring at
   angles 2πj/4 + cπ/8. The reward asks for one mode only, exp(−‖x − m_c‖²/(2·0.4²)) with m_c the j = 0
   centre: the base model puts about a quarter of its mass there.
-- ``shapes``: 8 prompts = 4 shapes (1×4 bar, 4×1 bar, 3×3 square, 2×2 square; doubled at 16×16) × the
-  requested half (left, right), drawn white on black at a uniform random position. The data ignore the
-  half (like a base model that ignores position words), so the pre-trained model draws the right shape
-  in either half. Reward 1 when the image holds the requested shape (bounding box of the lit pixels of
-  the shape's size, lit-pixel count within one of its area) with its centroid in the requested half.
+- ``shapes``: 4 prompts = shapes (1×4 bar, 4×1 bar, 3×3 square, 2×2 square; doubled at 16×16),
+  drawn white on black at a uniform random position, so the pre-trained model draws the requested
+  shape anywhere. The reward asks for the requested shape in the left half, GenEval's "object" and
+  "position" clauses: 1 if the image holds the requested shape (bounding box of the lit pixels of the
+  shape's size, lit-pixel count within one of its area) times the fraction of its lit pixels in the
+  left half: 1 for the right shape wholly on the left, 0.5 for one straddling the middle evenly, 0 for
+  a wrong shape. The graded position clause gives RL a signal from every valid sample; the strict 0/1
+  version (centroid in the left half) is reported as ``strict``.
 """
 
 from __future__ import annotations
@@ -111,27 +114,25 @@ class Points2D(_IdConditioned):
 
 
 class Shapes(_IdConditioned):
-    """Procedurally drawn tiny images: the requested shape in the requested half (see the module doc)."""
+    """Procedurally drawn tiny images: the requested shape, wanted in the left half (see the module doc)."""
 
     name = "shapes"
     SHAPES = (("bar1x4", 1, 4), ("bar4x1", 4, 1), ("square3", 3, 3), ("square2", 2, 2))
-    HALVES = ("left", "right")
 
     def __init__(self, image_size: int = 8):
         if image_size not in (8, 16):
             raise ValueError(f"shapes: image_size must be 8 or 16, got {image_size}")
         self.size = image_size
         self.scale = image_size // 8
-        self.num_prompts = len(self.SHAPES) * len(self.HALVES)
+        self.num_prompts = len(self.SHAPES)
         self.sample_shape = (1, image_size, image_size)
 
     def prompt_names(self) -> list[str]:
-        return [f"{s[0]} {h}" for s in self.SHAPES for h in self.HALVES]
+        return [s[0] for s in self.SHAPES]
 
     def _dims(self, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
-        shape = prompt_ids // len(self.HALVES)
-        hs = torch.tensor([s[1] for s in self.SHAPES])[shape] * self.scale
-        ws = torch.tensor([s[2] for s in self.SHAPES])[shape] * self.scale
+        hs = torch.tensor([s[1] for s in self.SHAPES])[prompt_ids] * self.scale
+        ws = torch.tensor([s[2] for s in self.SHAPES])[prompt_ids] * self.scale
         return hs, ws
 
     def data(self, prompt_ids: Tensor, generator: torch.Generator) -> Tensor:
@@ -145,7 +146,7 @@ class Shapes(_IdConditioned):
         lit = rows[:, :, None] & cols[:, None, :]
         return (lit.float() * 2 - 1)[:, None]
 
-    def _checks(self, samples: Tensor, prompt_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def _checks(self, samples: Tensor, prompt_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         lit = samples[:, 0] > 0
         hs, ws = self._dims(prompt_ids)
         count = lit.sum((1, 2))
@@ -160,23 +161,23 @@ class Shapes(_IdConditioned):
 
         shape_ok = (extent(any_row) == hs) & (extent(any_col) == ws) & ((count - hs * ws).abs() <= 1)
         col_centroid = (lit.float() * idx.float()).sum((1, 2)) / count.clamp(min=1)
-        centre = (self.size - 1) / 2
-        want_left = prompt_ids % len(self.HALVES) == 0
-        half_ok = torch.where(want_left, col_centroid < centre, col_centroid > centre) & (count > 0)
-        return shape_ok, half_ok
+        left_ok = (col_centroid < (self.size - 1) / 2) & (count > 0)
+        in_left = (lit[:, :, : self.size // 2].sum((1, 2)) / count.clamp(min=1)).float()
+        return shape_ok, left_ok, in_left
 
     def reward(self, samples: Tensor, prompt_ids: Tensor) -> Tensor:
-        shape_ok, half_ok = self._checks(samples, prompt_ids)
-        return (shape_ok & half_ok).float()
+        shape_ok, _, in_left = self._checks(samples, prompt_ids)
+        return shape_ok.float() * in_left
 
     def metrics(self, samples: Tensor, prompt_ids: Tensor) -> dict[str, float]:
         """Reward; ``shape_ok`` (the requested shape is drawn, anywhere: the quality clause);
-        ``half_ok`` (the lit pixels' centroid is in the requested half)."""
-        shape_ok, half_ok = self._checks(samples, prompt_ids)
+        ``left_ok`` (the lit pixels' centroid is in the left half); ``strict`` (both, 0/1)."""
+        shape_ok, left_ok, in_left = self._checks(samples, prompt_ids)
         return {
-            "reward": float((shape_ok & half_ok).float().mean()),
+            "reward": float((shape_ok.float() * in_left).mean()),
             "shape_ok": float(shape_ok.float().mean()),
-            "half_ok": float(half_ok.float().mean()),
+            "left_ok": float(left_ok.float().mean()),
+            "strict": float((shape_ok & left_ok).float().mean()),
         }
 
     def build_model(self, **kwargs: Any) -> nn.Module:

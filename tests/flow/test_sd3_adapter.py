@@ -122,3 +122,11 @@ def test_flow_grpo_epoch_with_lora_on_the_sd3_transformer(pipeline_dir, tmp_path
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/kl_loss"] == 0.0
     assert metrics["batch/kept_fraction"] == 1.0
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params, strict=True))
+
+
+def test_noise_aware_normaliser_is_tempflows_constant_on_the_sd3_schedule():
+    # TempFlow-GRPO multiplies each step's loss by 2.25·σ_t√h: 2.25 = 1/mean(σ_t√h) over the 9 trained
+    # steps of the 10-step, shift-3, a = 0.7 SD3 schedule. tearless derives it from the schedule.
+    sigmas = scheduler_sigmas(diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0), 10)
+    stds = [step_params(sigmas, j, 0.7).std for j in range(9)]
+    assert 9 / sum(stds) == pytest.approx(2.25, abs=0.005)

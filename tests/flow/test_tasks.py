@@ -13,33 +13,33 @@ def draw(size, top, left, h, w):
 def test_shapes_reward_hand_cases():
     task = Shapes(8)
     names = task.prompt_names()
-    square2_left, square2_right = names.index("square2 left"), names.index("square2 right")
-    bar_left = names.index("bar1x4 left")
+    square2, square3, bar = names.index("square2"), names.index("square3"), names.index("bar1x4")
     left_square = draw(8, 2, 0, 2, 2)  # columns 0-1: centroid 0.5 < 3.5
     right_square = draw(8, 5, 6, 2, 2)  # columns 6-7
     stray = left_square.clone()
     stray[0, 7, 7] = 1.0  # one lit pixel far away: the bounding box is no longer 2×2
     missing = draw(8, 0, 0, 3, 3)
     missing[0, 1, 1] = -1.0  # a 3×3 square with one pixel off: count 8 is within one of 9
-    samples = torch.stack([left_square, right_square, left_square, stray, left_square, missing])
-    ids = torch.tensor(
-        [square2_left, square2_right, square2_right, square2_left, bar_left, names.index("square3 left")]
-    )
-    assert task.reward(samples, ids).tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    straddling = draw(8, 4, 1, 1, 4)  # columns 1-4: three of its four lit pixels in the left half
+    samples = torch.stack([left_square, right_square, stray, left_square, missing, straddling])
+    ids = torch.tensor([square2, square2, square2, bar, square3, bar])
+    assert task.reward(samples, ids).tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.75]
     m = task.metrics(samples, ids)
-    assert m["shape_ok"] == pytest.approx(4 / 6) and m["half_ok"] == pytest.approx(5 / 6)
+    assert m["shape_ok"] == pytest.approx(4 / 6) and m["left_ok"] == pytest.approx(5 / 6)
+    assert m["strict"] == pytest.approx(3 / 6)  # the requested shape with its centroid on the left
+    assert m["reward"] == pytest.approx(2.75 / 6)
 
 
 @pytest.mark.parametrize("size", [8, 16])
 def test_shapes_data_always_draw_the_requested_shape(size):
     task = Shapes(size)
-    ids = torch.arange(task.num_prompts).repeat(50)
+    ids = torch.arange(task.num_prompts).repeat(100)
     data = task.data(ids, torch.Generator().manual_seed(0))
     assert data.shape == (len(ids), 1, size, size)
     m = task.metrics(data, ids)
     assert m["shape_ok"] == 1.0
-    # The data ignore the requested half: well below 1 (centred shapes count for neither half).
-    assert 0.3 < m["half_ok"] < 0.6
+    # Positions are uniform: well under half the shapes sit left of the centre (centred ones do not).
+    assert 0.3 < m["left_ok"] < 0.5
 
 
 def test_points2d_reward_and_metrics():
