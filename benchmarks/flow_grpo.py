@@ -27,11 +27,7 @@ from tearless.flow.trainer import FlowGRPOTrainer
 from tearless.trainers.tracking import read_metrics
 
 POINTS = ["task.name=points2d", "trainer.test_freq=10", "train.epochs=150"]
-SHAPES = [
-    "task.name=shapes",
-    "trainer.test_freq=25",
-    "sample.eval_samples_per_prompt=64",
-]
+SHAPES = ["task.name=shapes", "train.lr=3e-3", "trainer.test_freq=25", "sample.eval_samples_per_prompt=128"]
 
 
 def run(name: str, overrides: list[str], out: Path) -> dict:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from tearless.flow.models import load_flow_model, save_flow_model
-from tearless.flow.tasks import FlowTask
+from tearless.flow.tasks import TASKS_VERSION, FlowTask
 
 
 def flow_matching_loss(model: nn.Module, x0: Tensor, cond: Any, generator: torch.Generator) -> Tensor:
@@ -91,7 +91,9 @@ def pretrained_base(
 ) -> tuple[nn.Module, Path]:
     """The task's base model pre-trained with ``settings`` (steps, batch_size, lr, cfg_dropout, seed,
     model kwargs under ``model``), loaded from ``cache_dir`` or trained and cached there first."""
-    path = cache_dir / f"{task.name}-{pretrain_key({'task': task.name, **settings})}"
+    identity = {"task": task.name, "version": TASKS_VERSION, "num_prompts": task.num_prompts}
+    key = pretrain_key({**identity, **settings})
+    path = cache_dir / f"{task.name}-{key}"
     if (path / "flow_model.json").is_file() and not fresh:
         return load_flow_model(path)[0], path
     torch.manual_seed(settings["seed"])

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from tearless.flow.models import ConvVelocity, MLPVelocity
 
 RewardFn = Callable[[Tensor, Tensor], Tensor]
+TASKS_VERSION = 1  # bump when a task's data change, so cached pre-trained base models are rebuilt
 
 
 class FlowTask(Protocol):
