@@ -31,7 +31,8 @@ from __future__ import annotations
 import copy
 import math
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -99,18 +100,14 @@ class EMA:
         for s, p in zip(self.shadow, self.params, strict=True):
             s.lerp_(p.detach(), 1.0 - self.decay)
 
-    def swapped(self) -> AbstractContextManager[None]:
+    @contextmanager
+    def swapped(self) -> Iterator[None]:
         """Context in which the parameters hold the averages (restored on exit)."""
-        ema = self
-
-        class _Swap(AbstractContextManager):
-            def __enter__(self) -> None:
-                ema._swap()
-
-            def __exit__(self, *exc: object) -> None:
-                ema._swap()
-
-        return _Swap()
+        self._swap()
+        try:
+            yield
+        finally:
+            self._swap()
 
     @torch.no_grad()
     def _swap(self) -> None:
@@ -144,13 +141,12 @@ class FlowGRPOTrainer:
         *,
         reward_fn: RewardFn | None = None,
         run_dir: str | Path | None = None,
-        log: Any = print,
         train_sigmas: Tensor | None = None,
         eval_sigmas: Tensor | None = None,
     ):
         """``train_sigmas`` / ``eval_sigmas`` (T+1,) replace the schedules built from ``sample.*``
         (e.g. a diffusers scheduler's, from :func:`~tearless.flow.models.scheduler_sigmas`)."""
-        self.cfg, self.task, self.log = cfg, task, log
+        self.cfg, self.task = cfg, task
         t = cfg.trainer
         if t.num_threads:
             torch.set_num_threads(t.num_threads)
@@ -201,24 +197,14 @@ class FlowGRPOTrainer:
 
     # ----------------------------------------------------------------------------- pieces
 
-    def _reference(self) -> AbstractContextManager[Any]:
-        """Context whose yielded callable is the reference velocity model (LoRA off, or the frozen copy)."""
+    @contextmanager
+    def _reference(self) -> Iterator[nn.Module]:
+        """The reference velocity model: the policy with its LoRA adapters disabled, or the frozen copy."""
         if self.ref is not None:
-            return nullcontext(self.ref)
-        if self.cfg.train.lora:
-            policy = self.policy
-
-            class _Off(AbstractContextManager):
-                def __enter__(self) -> nn.Module:
-                    self.ctx = policy.disable_adapter()
-                    self.ctx.__enter__()
-                    return policy
-
-                def __exit__(self, *exc: object) -> None:
-                    self.ctx.__exit__(*exc)
-
-            return _Off()
-        raise RuntimeError("no reference model: train.beta is 0 and LoRA is off")
+            yield self.ref
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
 
     def _prompts(self, epoch: int) -> Tensor:
         """Round-robin prompts of ``epoch``, each repeated group_size times, (B,)."""
@@ -365,7 +351,7 @@ class FlowGRPOTrainer:
             log_freq=t.log_freq,
             key_metrics={"reward/mean": "reward", "val/reward": "val", "actor/kl_loss": "kl"},
         )
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             before, before_x, ids = self.evaluate()
             tracker.log({f"val/{k}": v for k, v in before.items()}, 0)
@@ -376,6 +362,8 @@ class FlowGRPOTrainer:
                     after, after_x, _ = self.evaluate()
                     metrics.update({f"val/{k}": v for k, v in after.items()})
                 metrics["timing_s/total"] = time.perf_counter() - start
+                # CPU seconds of this process: what the run costs, whatever else shares the machine.
+                metrics["timing_s/cpu_total"] = time.process_time() - cpu_start
                 tracker.log(metrics, epoch)
                 if epoch == total or (t.save_freq > 0 and epoch % t.save_freq == 0):
                     saver = _MergedSaver(self.policy, {"task": self.task.name, "epoch": epoch})
@@ -394,6 +382,7 @@ class FlowGRPOTrainer:
             "after": after,
             "epochs": total,
             "seconds": time.perf_counter() - start,
+            "cpu_seconds": time.process_time() - cpu_start,
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint),
         }

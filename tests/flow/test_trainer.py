@@ -87,7 +87,7 @@ def fresh_model(base_points):
 def test_first_update_is_on_policy_and_the_reference_starts_equal(tmp_path, base_points):
     task, model = fresh_model(base_points)
     cfg = small_cfg(tmp_path, "train.epochs=1", "train.updates_per_epoch=1")
-    trainer = FlowGRPOTrainer(cfg, task, model, log=lambda _: None)
+    trainer = FlowGRPOTrainer(cfg, task, model)
     metrics = trainer.epoch(0)
     # One update on freshly sampled data with LoRA's B = 0: ratio 1 exactly, policy = reference.
     assert metrics["actor/ppo_kl"] == 0.0
@@ -129,7 +129,7 @@ def test_variants_run_and_drop_zero_advantage_samples(tmp_path, base_points, ove
 def test_flow_grpo_raises_the_2d_reward_and_saves_a_loadable_checkpoint(tmp_path, base_points):
     task, model = fresh_model(base_points)
     cfg = small_cfg(tmp_path, "train.epochs=60", "trainer.test_freq=30")
-    trainer = FlowGRPOTrainer(cfg, task, model, log=lambda _: None)
+    trainer = FlowGRPOTrainer(cfg, task, model)
     summary = trainer.fit()
     before, after = summary["before"], summary["after"]
     assert before["reward"] < 0.35
