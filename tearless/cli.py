@@ -3,7 +3,8 @@
 Commands: ``train`` (RL training, veRL-style dotted overrides), ``sft`` and ``dpo`` (the offline
 trainers), ``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
 ``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
-and documentation). Heavy imports happen inside the commands so ``tearless --help`` is quick.
+and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
+Heavy imports happen inside the commands so ``tearless --help`` is quick.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from tearless.cli import main
 
 
@@ -16,6 +18,7 @@ def test_flow_config_error_names_the_key(capsys):
     assert "task.name" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_flow_pretrain_then_train_from_the_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TEARLESS_CACHE", str(tmp_path / "cache"))
     base = tmp_path / "base"

@@ -172,3 +172,17 @@ def test_trained_steps_and_shift():
     cfg = load_config(None, ["train.timesteps=[3,1]", "task.name=shapes"], schema=FlowConfig)
     assert cfg.trained_steps() == [1, 3] and cfg.shift() == 3.0
     assert cfg.pretrain_settings()["steps"] == 3000
+
+
+def test_ema_hand_worked_and_swapped_back():
+    from tearless.flow.trainer import EMA
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    ema = EMA([p], decay=0.9)
+    with torch.no_grad():
+        p.fill_(1.0)
+    ema.update()  # 0.9·0 + 0.1·1
+    ema.update()  # 0.9·0.1 + 0.1·1 = 0.19
+    with ema.swapped():
+        assert p.tolist() == pytest.approx([0.19, 0.19])
+    assert p.tolist() == [1.0, 1.0]
