@@ -1,9 +1,10 @@
-"""Velocity models: a small MLP for 2-D points, a small conv net for tiny images, an SD3 adapter.
+"""Built-in velocity models: a small MLP for 2-D points and a small conv net for tiny images.
 
 Every model is a callable ``velocity(x_t, t, cond) -> v`` (see :class:`tearless.flow.sampler.VelocityModel`).
 The built-in ones read ``cond`` as a (B,) int64 tensor of prompt ids, id ``num_prompts`` being the null
 prompt of classifier-free guidance; they save and load as a directory holding ``model.safetensors`` and
-``flow_model.json`` (the class and its constructor arguments).
+``flow_model.json`` (the class and its constructor arguments). The diffusers SD3 adapter is in
+:mod:`tearless.flow.sd3`.
 """
 
 from __future__ import annotations
@@ -146,59 +147,3 @@ def load_flow_model(path: str | os.PathLike) -> tuple[nn.Module, dict[str, Any]]
     model = MODEL_CLASSES[info["kind"]](**info["config"])
     model.load_state_dict(load_file(str(path / "model.safetensors")))
     return model, info
-
-
-class SD3Velocity(nn.Module):
-    """Adapter of a diffusers ``SD3Transformer2DModel`` to ``velocity(x_t, t, cond)``.
-
-    ``cond`` is a dict with ``prompt_embeds`` (B, L, D) and ``pooled_prompt_embeds`` (B, P), what
-    ``StableDiffusion3Pipeline.encode_prompt`` returns; x_t are latents (B, C, H, W); t ∈ [0, 1] is
-    the scheduler's sigma, passed to the transformer as timestep = t · num_train_timesteps exactly as
-    the SD3 pipeline does. The transformer predicts v = ε − x_0, this module's convention.
-    """
-
-    def __init__(self, transformer: nn.Module, num_train_timesteps: int = 1000):
-        super().__init__()
-        self.transformer = transformer
-        self.num_train_timesteps = num_train_timesteps
-
-    def forward(self, x: Tensor, t: Tensor, cond: dict[str, Tensor]) -> Tensor:
-        return self.transformer(
-            hidden_states=x,
-            timestep=t * self.num_train_timesteps,
-            encoder_hidden_states=cond["prompt_embeds"],
-            pooled_projections=cond["pooled_prompt_embeds"],
-            return_dict=False,
-        )[0]
-
-    def lora_targets(self) -> list[str]:
-        """Flow-GRPO's LoRA targets on the SD3 attention projections."""
-        return ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-
-
-def scheduler_sigmas(scheduler: Any, num_steps: int) -> Tensor:
-    """The T + 1 sigmas (shift included, ending at 0) of a ``FlowMatchEulerDiscreteScheduler``."""
-    scheduler.set_timesteps(num_steps)
-    return scheduler.sigmas.detach().float().cpu()
-
-
-def load_sd3(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> tuple[SD3Velocity, Any]:
-    """The transformer and scheduler of a local SD3-style pipeline directory, as (velocity model, scheduler).
-
-    Reads ``<path>/transformer`` and ``<path>/scheduler`` (the layout ``save_pretrained`` of a
-    ``StableDiffusion3Pipeline`` writes); prompts are encoded by the caller (e.g. with the pipeline's
-    own ``encode_prompt``) into the ``cond`` dict :class:`SD3Velocity` reads.
-    """
-    try:
-        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    except ImportError as e:
-        raise ImportError("the SD3 adapter needs diffusers: pip install diffusers") from e
-    root = Path(path)
-    for sub in ("transformer", "scheduler"):
-        if not (root / sub).is_dir():
-            raise FileNotFoundError(
-                f"{root} has no {sub}/ folder; point at a diffusers SD3 pipeline directory"
-            )
-    transformer = SD3Transformer2DModel.from_pretrained(root, subfolder="transformer", torch_dtype=dtype)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(root, subfolder="scheduler")
-    return SD3Velocity(transformer, scheduler.config.num_train_timesteps), scheduler

@@ -37,6 +37,9 @@ TASKS_VERSION = 1  # bump when a task's data change, so cached pre-trained base 
 
 
 class FlowTask(Protocol):
+    """What the trainer needs of a task; ``data`` and ``build_model`` only pre-training needs, and a
+    task with ``to_images(samples) -> (B, C, H, W) in [0, 1]`` gets a before/after PNG grid."""
+
     name: str
     num_prompts: int
     sample_shape: tuple[int, ...]
@@ -184,6 +187,10 @@ class Shapes(_IdConditioned):
     def build_model(self, **kwargs: Any) -> nn.Module:
         return ConvVelocity(self.num_prompts, channels=1, **kwargs)
 
+    def to_images(self, samples: Tensor) -> Tensor:
+        """Samples (values in about [−1, 1]) as images in [0, 1]."""
+        return (samples.clamp(-1, 1) + 1) / 2
+
 
 TASKS: dict[str, Callable[..., FlowTask]] = {"points2d": Points2D, "shapes": Shapes}
 
@@ -222,21 +229,20 @@ def load_reward_fn(spec: str) -> RewardFn:
 
 
 def image_grid(rows: list[Tensor], path: str | Path, *, upscale: int = 4, gap: int = 1) -> Path:
-    """Save image batches as one PNG: ``rows`` are (N, 1, H, W) tensors in [−1, 1], one grid row each."""
+    """Save image batches as one PNG: ``rows`` are (N, C, H, W) tensors in [0, 1] (C = 1 grey or 3
+    RGB), one grid row each, separated by grey lines."""
     from PIL import Image
 
     n = max(len(r) for r in rows)
-    h, w = rows[0].shape[-2:]
-    canvas = torch.full((len(rows) * (h + gap) - gap, n * (w + gap) - gap), 0.35)
+    c, h, w = rows[0].shape[-3:]
+    canvas = torch.full((c, len(rows) * (h + gap) - gap, n * (w + gap) - gap), 0.35)
     for i, batch in enumerate(rows):
         for j, img in enumerate(batch):
-            canvas[i * (h + gap) : i * (h + gap) + h, j * (w + gap) : j * (w + gap) + w] = (
-                img[0].clamp(-1, 1) + 1
-            ) / 2
-    pixels = (canvas * 255).round().to(torch.uint8).numpy()
-    image = Image.fromarray(pixels, mode="L").resize(
-        (canvas.shape[1] * upscale, canvas.shape[0] * upscale), Image.NEAREST
-    )
+            top, left = i * (h + gap), j * (w + gap)
+            canvas[:, top : top + h, left : left + w] = img.float().clamp(0, 1)
+    pixels = (canvas * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    image = Image.fromarray(pixels[:, :, 0] if c == 1 else pixels, mode="L" if c == 1 else "RGB")
+    image = image.resize((image.width * upscale, image.height * upscale), Image.NEAREST)
     path = Path(path)
     image.save(path)
     return path

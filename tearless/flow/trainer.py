@@ -118,7 +118,8 @@ class EMA:
 
 
 class _MergedSaver:
-    """``save_pretrained`` for the checkpoint writer: the policy with LoRA merged, as a flow model dir."""
+    """``save_pretrained`` for the checkpoint writer: the policy with LoRA merged, as a flow-model
+    directory (built-in models) or the model's own ``save_pretrained`` format."""
 
     def __init__(self, policy: nn.Module, meta: dict[str, Any]):
         self.policy, self.meta = policy, meta
@@ -127,7 +128,10 @@ class _MergedSaver:
         model = copy.deepcopy(self.policy)
         if hasattr(model, "merge_and_unload"):
             model = model.merge_and_unload()
-        save_flow_model(model.cpu(), path, **self.meta)
+        if hasattr(model, "save_pretrained"):  # e.g. the SD3 adapter: a diffusers transformer directory
+            model.save_pretrained(path)
+        else:
+            save_flow_model(model.cpu(), path, **self.meta)
 
 
 class FlowGRPOTrainer:
@@ -386,7 +390,7 @@ class FlowGRPOTrainer:
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint),
         }
-        if len(self.task.sample_shape) == 3:
+        if hasattr(self.task, "to_images"):
             summary["grid"] = str(self.before_after_grid(before_x, after_x, ids))
         return summary
 
@@ -395,5 +399,5 @@ class FlowGRPOTrainer:
         rows = []
         for p in range(self.task.num_prompts):
             pick = (ids == p).nonzero().squeeze(-1)[:per_prompt]
-            rows += [before[pick], after[pick]]
+            rows += [self.task.to_images(before[pick]).cpu(), self.task.to_images(after[pick]).cpu()]
         return image_grid(rows, self.run_dir / "samples_before_after.png")

@@ -77,8 +77,12 @@ def test_make_task_and_reward_loading(tmp_path):
 def test_image_grid_writes_a_png(tmp_path):
     from PIL import Image
 
-    rows = [torch.ones(3, 1, 8, 8), -torch.ones(2, 1, 8, 8)]
+    task = Shapes(8)
+    rows = [task.to_images(torch.ones(3, 1, 8, 8)), task.to_images(-torch.ones(2, 1, 8, 8))]
     path = image_grid(rows, tmp_path / "g.png", upscale=2, gap=1)
     img = Image.open(path)
     assert img.size == ((3 * 9 - 1) * 2, (2 * 9 - 1) * 2)
-    assert img.getpixel((0, 0)) == 255 and img.getpixel((0, 20)) == 0
+    assert img.getpixel((0, 0)) == 255 and img.getpixel((0, 20)) == 0 and img.getpixel((16, 0)) == 89
+    rgb = torch.zeros(1, 3, 4, 4)
+    rgb[:, 0] = 1.0  # red
+    assert Image.open(image_grid([rgb], tmp_path / "c.png", upscale=1)).getpixel((0, 0)) == (255, 0, 0)
