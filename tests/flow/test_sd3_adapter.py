@@ -204,6 +204,7 @@ def test_flow_grpo_on_the_pipeline_with_lora_and_an_image_reward(pipeline, pipel
     assert any("add_q_proj" in n for n in lora_names)
     before = [p.detach().clone() for p in trainer.params]
     summary = trainer.fit()
+    assert summary["after"]["reward"] != summary["before"]["reward"]
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.params, strict=True))
     # The checkpoint is a diffusers transformer directory with the LoRA merged in.
     merged = diffusers.SD3Transformer2DModel.from_pretrained(tmp_path / "global_step_2" / "actor")

@@ -89,8 +89,9 @@ def test_first_update_is_on_policy_and_the_reference_starts_equal(tmp_path, base
     cfg = small_cfg(tmp_path, "train.epochs=1", "train.updates_per_epoch=1")
     trainer = FlowGRPOTrainer(cfg, task, model)
     metrics = trainer.epoch(0)
-    # One update on freshly sampled data with LoRA's B = 0: ratio 1 exactly, policy = reference.
-    assert metrics["actor/ppo_kl"] == 0.0
+    # One update on freshly sampled data with LoRA's B = 0: ratio 1 (up to the row order of the
+    # mini-batch, which the update shuffles), policy = reference.
+    assert abs(metrics["actor/ppo_kl"]) < 1e-7
     assert metrics["actor/pg_clipfrac"] == 0.0
     assert metrics["actor/kl_loss"] == 0.0
     assert metrics["actor/grad_norm"] > 0
