@@ -249,6 +249,7 @@ class FlowGRPOTrainer:
             kwargs = {"guidance_scale": s.guidance_scale, "uncond": uncond, "reduce": s.log_prob_reduce}
             log_prob, mean = step_log_prob(self.policy, x, next_x, cond, p, **kwargs)
             loss, metrics = clipped_step_loss(log_prob, traj.log_probs[rows, j], adv * weight, tc.clip_range)
+            sums["pg_loss"] += loss.item()
             if tc.beta > 0:
                 with torch.no_grad(), self._reference() as ref:
                     _, ref_mean = step_log_prob(ref, x, next_x, cond, p, **kwargs)
@@ -257,7 +258,6 @@ class FlowGRPOTrainer:
                 loss = loss + tc.beta * kl
                 sums["kl_loss"] += kl.item()
             (loss / len(self.trained_steps)).backward()
-            sums["pg_loss"] += loss.item()
             sums["pg_clipfrac"] += float(metrics["pg_clipfrac"])
             sums["ppo_kl"] += float(metrics["ppo_kl"])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tc.grad_clip)
@@ -281,7 +281,7 @@ class FlowGRPOTrainer:
         rewards = self.reward_fn(traj.samples, prompt_ids.to(self.device)).float().cpu()
         if rewards.shape != prompt_ids.shape:
             raise ValueError(
-                f"the reward function returned shape {tuple(rewards.shape)}, expected ({len(rewards)},)"
+                f"the reward function returned shape {tuple(rewards.shape)}, expected ({len(prompt_ids)},)"
             )
         adv = flow_advantages(
             rewards, prompt_ids, std_scope=tc.std_scope, epsilon=tc.adv_epsilon, clip_max=tc.adv_clip_max

@@ -187,3 +187,10 @@ def test_ema_hand_worked_and_swapped_back():
     with ema.swapped():
         assert p.tolist() == pytest.approx([0.19, 0.19])
     assert p.tolist() == [1.0, 1.0]
+
+
+def test_a_reward_of_the_wrong_shape_is_refused(tmp_path, base_points):
+    task, model = fresh_model(base_points)
+    trainer = FlowGRPOTrainer(small_cfg(tmp_path), task, model, reward_fn=lambda x, ids: x[:, :1])
+    with pytest.raises(ValueError, match=r"returned shape \(64, 1\), expected \(64,\)"):
+        trainer.epoch(0)
