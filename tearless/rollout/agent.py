@@ -86,6 +86,8 @@ class Action:
 class SearchR1Format:
     """Tag calls (``<search>q</search>``), results in ``<information>…</information>``."""
 
+    eos_ends_trajectory = True  # EOS without an answer: the model gave up
+
     def __init__(self, tools: dict[str, ToolLike], tokenizer: Any, settings: AgentSettings) -> None:
         self.tokenizer, self.settings = tokenizer, settings
         self.argument = {}
@@ -107,7 +109,7 @@ class SearchR1Format:
     def parse(self, text: str) -> Action:
         match = self.pattern.search(text)
         if match is None:
-            return Action("invalid", problem="no <tool>…</tool> call and no <answer>…</answer>")
+            return Action("invalid", problem="no <tool>...</tool> call and no <answer>...</answer>")
         tag, content = match.group(1), match.group(2).strip()
         if tag == "answer":
             return Action("answer")
@@ -135,6 +137,7 @@ class HermesFormat:
     """Chat-template tool calls: ``<tool_call>{json}</tool_call>``, results as ``tool`` messages."""
 
     stops: list[str] = []  # noqa: RUF012  (the turn ends at EOS)
+    eos_ends_trajectory = False  # every turn ends with EOS; a turn without a call ends the trajectory
     _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def __init__(self, tools: dict[str, ToolLike], tokenizer: Any, settings: AgentSettings) -> None:
@@ -270,8 +273,8 @@ class AgentLoop:
                 r.logps += logps
                 r.turns += 1
                 action = self.fmt.parse(self.tokenizer.decode(new, skip_special_tokens=True))
-                ended_eos = bool(new) and new[-1] in self.eos
-                if action.kind == "answer" or ended_eos:
+                gave_up = self.fmt.eos_ends_trajectory and bool(new) and new[-1] in self.eos
+                if action.kind == "answer" or gave_up:
                     r.done = True
                     r.answered = action.kind == "answer"
                 elif len(r.ids) >= limit:

@@ -47,6 +47,16 @@ def critic_enabled(cfg: Config) -> bool:
     return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
 
 
+def score_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last token with mask 1, where its score goes (0 for an empty row).
+
+    Not ``mask.sum(-1) - 1``: in a multi-turn rollout the mask has holes where tool output is, and
+    the last model token sits after them.
+    """
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)
+    return torch.where(mask.any(-1), last, 0)
+
+
 def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
     """Randomness of step ``step`` derived from the seed alone, so a resumed run draws what the
     uninterrupted run drew."""
@@ -401,9 +411,7 @@ class RLTrainer:
         with timer("step"):
             items, out, uids, scores, correct, metrics, texts, extras = self.collect(step, timer)
             mask = out.response_mask
-            # The score sits on the last token the model wrote (not the last one counted from the start:
-            # in a multi-turn rollout the mask has holes where tool output is).
-            last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)
+            last = score_positions(mask)
             token_scores = torch.zeros(mask.shape, dtype=torch.float32)
             token_scores[torch.arange(len(items)), last] = scores
             td = TensorDict(
