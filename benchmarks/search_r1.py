@@ -5,7 +5,7 @@ Each run trains in this process with one torch thread and in-process reward scor
 (user + system, from ``getrusage``) is what the run costs whatever else shares the machine; wall time
 is reported too. The task (data, corpus, warmed-up model) is built first, once, and cached.
 
-    TEARLESS_CACHE=/tmp/tl-cache python benchmarks/search_r1.py --steps 40
+    TEARLESS_CACHE=/tmp/tl-cache python benchmarks/search_r1.py --steps 20 --test-freq 5
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def run(name: str, run_dir: Path, steps: int, test_freq: int, extra: list[str]) 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--test-freq", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--test-freq", type=int, default=5)
     ap.add_argument("--only", choices=["search", "control"], default=None)
     args = ap.parse_args()
     from tearless.config import load_config

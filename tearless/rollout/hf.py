@@ -113,6 +113,7 @@ class HFRollout:
         device = next(self.model.parameters()).device
         ids, attn = prompt_ids.to(device), prompt_mask.to(device)
         eos = self.eos.to(device)
+        stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
         batch = ids.shape[0]
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
@@ -141,7 +142,7 @@ class HFRollout:
             tokens.append(torch.where(alive, tok, self.pad_token_id))
             logps.append(torch.where(alive, logp, 0.0))
             masks.append(alive.long())
-            finished = finished | torch.isin(tok, eos) | _ends_with_stop(tokens, stop_sequences, device)
+            finished = finished | torch.isin(tok, eos) | _ends_with_stop(tokens, stops)
             if bool(finished.all()):
                 break
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
@@ -165,13 +166,12 @@ class HFRollout:
         )
 
 
-def _ends_with_stop(tokens: list[torch.Tensor], stops: list[list[int]] | None, device) -> torch.Tensor:
-    """(B,) True where the tokens generated so far end with one of ``stops``."""
+def _ends_with_stop(tokens: list[torch.Tensor], stops: list[torch.Tensor]) -> torch.Tensor:
+    """(B,) True where the tokens generated so far end with one of the ``stops`` sequences."""
     hit = torch.zeros_like(tokens[-1], dtype=torch.bool)
-    for stop in stops or ():
-        if 0 < len(stop) <= len(tokens):
-            tail = torch.stack(tokens[-len(stop) :], 1)
-            hit |= (tail == torch.tensor(stop, device=device)).all(-1)
+    for stop in stops:
+        if len(stop) <= len(tokens):
+            hit |= (torch.stack(tokens[-len(stop) :], 1) == stop).all(-1)
     return hit
 
 

@@ -321,3 +321,29 @@ def test_real_model_rollout_log_probs_match_the_trainers_forward_across_tool_out
     m = out.response_mask.bool()
     assert torch.allclose(lp[m], out.log_probs[m], atol=1e-5)
     assert (out.log_probs[~m] == 0).all()
+
+
+def test_the_sampler_stops_right_after_a_stop_sequence_and_keeps_it(tok):
+    """HFRollout's ``stop_sequences``: a greedy tiny model's own output, cut after a sequence taken from
+    the middle of it, is exactly the uncut output's prefix."""
+    from tearless.tasks.bootstrap import tiny_llama
+
+    model = tiny_llama(
+        len(tok),
+        hidden_size=32,
+        num_layers=1,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        seed=3,
+    )
+    engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    prompt = item(tok, "Where was kat born?")["input_ids"]
+    full = engine.generate([prompt], max_new_tokens=12, do_sample=False)
+    ids = full.response_ids[0][full.response_mask[0].bool()].tolist()
+    assert len(ids) == 12
+    stop = ids[5:7]
+    cut = engine.generate([prompt], max_new_tokens=12, do_sample=False, stop_sequences=[[999], stop])
+    first = next(i + 2 for i in range(11) if ids[i : i + 2] == stop)
+    assert cut.response_ids[0][cut.response_mask[0].bool()].tolist() == ids[:first]
+    assert not cut.truncated[0] and full.truncated[0]
