@@ -25,7 +25,7 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run(name: str, run_dir: Path, steps: int, test_freq: int, extra: list[str]) -> dict:
+def run(name: str, run_dir: Path, steps: int, test_freq: int, seed: int, extra: list[str]) -> dict:
     from tearless import train
     from tearless.trainers.tracking import read_metrics
 
@@ -34,6 +34,7 @@ def run(name: str, run_dir: Path, steps: int, test_freq: int, extra: list[str]) 
         f"trainer.total_training_steps={steps}",
         f"trainer.test_freq={test_freq}",
         "trainer.num_threads=1",
+        f"trainer.seed={seed}",
         "trainer.logger=[jsonl]",
         "reward_model.num_workers=0",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
@@ -69,6 +70,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--test-freq", type=int, default=5)
     ap.add_argument("--only", choices=["search", "control"], default=None)
+    ap.add_argument("--seed", type=int, default=1, help="trainer.seed (the task and warm-up stay the same)")
     args = ap.parse_args()
     from tearless.config import load_config
     from tearless.tasks.bootstrap import TaskSpec, prepare_task
@@ -80,11 +82,15 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "search"):
-            results.append(run("search tool", Path(tmp) / "search", args.steps, args.test_freq, []))
+            results.append(
+                run("search tool", Path(tmp) / "search", args.steps, args.test_freq, args.seed, [])
+            )
         if args.only in (None, "control"):
             control = ["actor_rollout_ref.rollout.multi_turn.enable=false"]
             results.append(
-                run("no tool (control)", Path(tmp) / "control", args.steps, args.test_freq, control)
+                run(
+                    "no tool (control)", Path(tmp) / "control", args.steps, args.test_freq, args.seed, control
+                )
             )
     print(f"\nmachine: {platform.machine()}, Python {sys.version.split()[0]}, one torch thread\n")
     print(

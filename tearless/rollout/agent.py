@@ -117,9 +117,6 @@ class SearchR1Format:
             return Action("invalid", problem=f"empty <{tag}></{tag}>")
         return Action("calls", [ToolCall(tag, {self.argument[tag]: content})])
 
-    def answered(self, text: str) -> bool:
-        return re.search(r"<answer>.*?</answer>", text, re.DOTALL) is not None
-
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -183,9 +180,6 @@ class HermesFormat:
                     return Action("invalid", problem=f"arguments are not valid JSON ({e.msg})")
             calls.append(ToolCall(call["name"], arguments))
         return Action("calls", calls)
-
-    def answered(self, text: str) -> bool:
-        return True  # called only for trajectories that ended on a turn without a call
 
     def _messages_tokens(self, contents: list[str]) -> list[int]:
         messages = [*self._base, *({"role": "tool", "content": c} for c in contents)]
