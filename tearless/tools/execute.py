@@ -1,18 +1,19 @@
 """Running a batch of tool calls: concurrently, bounded, each with a timeout, never raising.
 
 Every call of a rollout turn (all samples together) goes through :func:`run_calls`. Sync tools run in
-worker threads, async tools on the event loop; at most ``max_parallel`` run at once. A call that
-raises, hangs past ``timeout_s``, names an unknown tool or has arguments that do not fit the schema
-returns an ``error: …`` string for the model and is flagged, so one bad call never stops the rollout.
-A sync tool that hangs cannot be interrupted (Python threads cannot be killed): its thread is
-abandoned and the rollout moves on.
+threads, async tools on the event loop; at most ``max_parallel`` run at once. A call that raises,
+hangs past ``timeout_s``, names an unknown tool or has arguments that do not fit the schema returns an
+``error: …`` string for the model and is flagged, so one bad call never stops the rollout. A sync tool
+that hangs cannot be interrupted (Python threads cannot be killed): its thread is a daemon thread that
+is abandoned, so neither the rollout nor the interpreter's exit waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,12 +34,34 @@ class ToolResult:
     error: bool
 
 
+def _in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future:
+    """``fn()`` in a daemon thread, its result (or exception) delivered to a future of ``loop``."""
+    future = loop.create_future()
+
+    def deliver(value: Any, error: BaseException | None) -> None:
+        if future.done():  # cancelled by the timeout meanwhile
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as e:  # delivered to the caller, who turns it into an error string
+            value, error = None, e
+        try:
+            loop.call_soon_threadsafe(deliver, value, error)
+        except RuntimeError:  # the loop is closed: the call timed out long ago and nobody waits
+            pass
+
+    threading.Thread(target=target, daemon=True, name="tearless-tool").start()
+    return future
+
+
 async def _one(
-    call: ToolCall,
-    tools: dict[str, ToolLike],
-    gate: asyncio.Semaphore,
-    pool: ThreadPoolExecutor,
-    timeout_s: float,
+    call: ToolCall, tools: dict[str, ToolLike], gate: asyncio.Semaphore, timeout_s: float
 ) -> ToolResult:
     tool = tools.get(call.name)
     if tool is None:
@@ -51,8 +74,7 @@ async def _one(
             if inspect.iscoroutinefunction(tool.call):
                 result = await asyncio.wait_for(tool.call(**call.arguments), timeout_s)
             else:
-                loop = asyncio.get_running_loop()
-                future = loop.run_in_executor(pool, lambda: tool.call(**call.arguments))
+                future = _in_daemon_thread(asyncio.get_running_loop(), lambda: tool.call(**call.arguments))
                 result = await asyncio.wait_for(future, timeout_s)
                 if inspect.isawaitable(result):
                     result = await asyncio.wait_for(result, timeout_s)
@@ -69,15 +91,13 @@ def run_calls(
     """Results of ``calls``, in order (see the module docstring)."""
     if not calls:
         return []
-    pool = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="tearless-tool")
 
     async def main() -> list[ToolResult]:
         gate = asyncio.Semaphore(max_parallel)
-        return list(await asyncio.gather(*(_one(c, tools, gate, pool, timeout_s) for c in calls)))
+        return list(await asyncio.gather(*(_one(c, tools, gate, timeout_s) for c in calls)))
 
     loop = asyncio.new_event_loop()
     try:
         return loop.run_until_complete(main())
     finally:
         loop.close()
-        pool.shutdown(wait=False, cancel_futures=True)

@@ -10,6 +10,7 @@ real tiny Llama.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -70,6 +71,8 @@ class Lookup(Tool):
             raise RuntimeError("index offline")
         if query == "long":
             return "abcdefghij" * 10
+        if query == "hang":
+            time.sleep(30)
         return self.facts.get(query, "no results")
 
 
@@ -179,13 +182,23 @@ def test_invalid_actions_get_the_corrective_message_masked_and_the_model_tries_a
     assert res.metrics["multi_turn/invalid_actions"] == 2.0 and res.metrics["multi_turn/answered"] == 1.0
 
 
-def test_a_tool_that_raises_gives_the_model_an_error_and_the_rollout_goes_on(tok):
-    res, _ = run(tok, {"Where was kat born?": ["<search>crash</search>", "<answer>Lora</answer>"]})
+def test_a_tool_that_raises_or_hangs_gives_the_model_an_error_and_the_rollout_goes_on(tok):
+    started = time.perf_counter()
+    res, _ = run(
+        tok,
+        {
+            "Where was kat born?": ["<search>crash</search>", "<answer>Lora</answer>"],
+            "Where was bim born?": ["<search>hang</search>", "<answer>Kovu</answer>"],
+        },
+        tool_timeout_s=0.3,
+    )
+    assert time.perf_counter() - started < 10
     assert pieces(tok, res.out, 0)[1] == (
         "<information>error: search failed: RuntimeError: index offline</information>",
         0,
     )
-    assert res.metrics["multi_turn/tool_errors"] == 1.0 and res.rows[0]["answered"]
+    assert pieces(tok, res.out, 1)[1] == ("<information>error: search timed out after 0.3 s</information>", 0)
+    assert res.metrics["multi_turn/tool_errors"] == 2.0 and res.metrics["multi_turn/answered"] == 1.0
 
 
 def test_the_forced_final_turn_runs_no_tool_and_max_user_turns_is_a_budget(tok):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -89,6 +91,25 @@ def test_failing_hanging_and_malformed_calls_become_error_strings_and_the_rest_s
     assert texts[5] == "error: echo: missing required argument(s) text"
     assert texts[6] == "error: echo: argument 'text' must be string, got int"
     assert texts[7] == "error: echo: arguments must be a JSON object, got list"
+
+
+def test_a_hung_tool_does_not_keep_the_process_alive():
+    code = (
+        "import time\n"
+        "from tearless.tools import ToolCall, run_calls\n"
+        "class Hang:\n"
+        "    name, description = 'hang', 'sleeps'\n"
+        "    parameters = {'type': 'object', 'properties': {}}\n"
+        "    def call(self):\n"
+        "        time.sleep(120)\n"
+        "print(run_calls([ToolCall('hang', {})], {'hang': Hang()}, max_parallel=1, timeout_s=0.2)[0].text)\n"
+    )
+    started = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "error: hang timed out after 0.2 s"
+    assert time.perf_counter() - started < 30  # the interpreter exited without waiting for the thread
 
 
 @pytest.mark.parametrize("bound", [1, 3])
