@@ -244,7 +244,8 @@ class AgentLoop:
         """``n`` trajectories per item (rows of an item adjacent), each at most ``max_new_tokens``
         response tokens (model and tool tokens together). ``sampling`` goes to the engine."""
         s, limit = self.settings, max_new_tokens
-        rows = [_Trajectory(self.fmt.prompt_ids(it)) for it in items for _ in range(n)]
+        prompts = [self.fmt.prompt_ids(it) for it in items]
+        rows = [_Trajectory(list(p)) for p in prompts for _ in range(n)]
         for turn in range(1, s.max_assistant_turns + 1):
             active = [r for r in rows if not r.done]
             if not active:
