@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tearless.algos import entropy_from_logits, logprobs_from_logits
+from tearless.models.loading import compute_device
 
 
 def sequence_inputs(
@@ -44,7 +45,7 @@ def response_logprobs(
     Entropy is computed without gradient (it is a metric unless the caller differentiates it; pass
     ``with_entropy="grad"`` for the entropy bonus).
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     ids, mask, positions = (
         t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     )
