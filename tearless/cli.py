@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--preset",
         help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
-        "reinforce_pp, remax, gspo (files in tearless/config/presets/)",
+        "reinforce_pp, remax, gspo, search_r1 (files in tearless/config/presets/)",
     )
     train.add_argument(
         "--fresh", action="store_true", help="rebuild the embedded task's cached data and model"

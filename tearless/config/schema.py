@@ -128,6 +128,33 @@ class ValKwargs:
 
 
 @dataclass
+class MultiTurnConfig:
+    enable: bool = doc(False, "multi-turn tool use: the agent loop (tearless.rollout.agent) generates")
+    format: str = doc(
+        "search_r1",
+        "call format: search_r1 (<search>q</search> → <information>…</information>, <answer> ends) | "
+        "hermes (chat-template tools, <tool_call>{json}</tool_call>)",
+    )
+    max_assistant_turns: int = doc(
+        4, "model turns per trajectory; the last is the forced final turn (its tool calls are not run)"
+    )
+    max_user_turns: int = doc(4, "tool-output (or correction) turns appended per trajectory")
+    tool_config_path: str | None = doc(
+        None, "tool YAML (see tearless/tools/registry.py); null = the embedded task's (task.name=multihop)"
+    )
+    max_parallel_calls: int = doc(8, "tool calls running at once (the calls of a turn, across the batch)")
+    max_tool_response_length: int = doc(256, "tool output is cut to this many tokens")
+    tool_response_truncate_side: str = doc(
+        "middle", "which part of a long tool output is kept: left (the end) | right (the start) | middle"
+    )
+    tool_timeout_s: float = doc(30.0, "a tool call running longer returns a timeout error to the model")
+    invalid_action_message: str = doc(
+        "Invalid action: call a tool or give the final answer.",
+        "appended (masked) after a turn with neither a valid call nor an answer",
+    )
+
+
+@dataclass
 class RolloutConfig:
     name: str = doc("hf", "rollout engine: hf (built-in KV-cache sampler) | vllm (GPU; needs the vllm extra)")
     n: int = doc(8, "responses sampled per prompt (the GRPO group size)")
@@ -143,6 +170,7 @@ class RolloutConfig:
         True, "vllm: put the engine to sleep (weights and KV cache released) while training runs"
     )
     weight_sync_timeout_s: float = doc(600.0, "vllm: seconds allowed to load updated weights into the engine")
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -350,7 +378,10 @@ class TrainerConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = doc("arithmetic", "embedded task used when data/model paths are null: arithmetic")
+    name: str = doc(
+        "arithmetic",
+        "embedded task used when data/model paths are null: arithmetic | multihop (QA with a search tool)",
+    )
     cache_dir: str | None = doc(
         None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"
     )

@@ -194,7 +194,8 @@ def validate(cfg: Config) -> None:
             "Give both data.train_files and data.val_files.",
         )
     _validate_ranges(cfg)
-    _one_of("task.name", cfg.task.name, ("arithmetic",))
+    _one_of("task.name", cfg.task.name, ("arithmetic", "multihop"))
+    _validate_multi_turn(cfg)
     if not 0 <= cfg.task.forget_carry <= 1:
         _fail(
             "task.forget_carry",
@@ -398,3 +399,49 @@ def _validate_placement(cfg: Config) -> None:
             )
         _positive("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size)
         _positive("actor_rollout_ref.rollout.weight_sync_timeout_s", rollout.weight_sync_timeout_s)
+
+
+def _validate_multi_turn(cfg: Config) -> None:
+    from tearless.rollout.agent import FORMATS, TRUNCATE_SIDES
+
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    key = "actor_rollout_ref.rollout.multi_turn"
+    _one_of(f"{key}.format", mt.format, FORMATS)
+    _one_of(f"{key}.tool_response_truncate_side", mt.tool_response_truncate_side, TRUNCATE_SIDES)
+    for name in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length", "tool_timeout_s"):
+        _positive(f"{key}.{name}", getattr(mt, name))
+    _positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
+    if not mt.enable:
+        return
+    from tearless.distributed import uses_ray
+
+    if cfg.actor_rollout_ref.rollout.name != "hf":
+        _fail(
+            f"{key}.enable",
+            "the agent loop drives the built-in engine (it stops each turn at the call tags); it is not "
+            f"wired to rollout.name={cfg.actor_rollout_ref.rollout.name} yet",
+            "Set actor_rollout_ref.rollout.name=hf.",
+        )
+    if uses_ray(cfg):
+        _fail(
+            f"{key}.enable",
+            "multi-turn rollouts are not wired to the Ray placement yet (its workers do not carry the "
+            "separate attention mask of tool output)",
+            "Set trainer.placement=local (nnodes=1, n_gpus_per_node=1).",
+        )
+    if mt.tool_config_path is None and cfg.task.name != "multihop":
+        _fail(
+            f"{key}.tool_config_path",
+            f"multi-turn rollouts need tools, and the embedded task {cfg.task.name!r} has none",
+            "Point it at a tool YAML (see tearless/tools/registry.py) or set task.name=multihop.",
+        )
+    if mt.tool_config_path is not None and not os.path.isfile(mt.tool_config_path):
+        _fail(f"{key}.tool_config_path", f"{mt.tool_config_path!r} is not a file", "Point it at a tool YAML.")
+    given = cfg.actor_rollout_ref.model.path is not None and cfg.data.train_files is not None
+    if mt.tool_config_path is None and given:
+        _fail(
+            f"{key}.tool_config_path",
+            "null means the embedded multihop task's tools, but model.path and data.train_files are given, "
+            "so that task is not built",
+            "Point it at a tool YAML for your data.",
+        )

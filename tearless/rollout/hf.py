@@ -22,6 +22,11 @@ class RolloutOutput:
     Shapes: ``prompt_ids``/``prompt_mask`` (B, P), ``response_ids``/``response_mask``/``log_probs``
     (B, R) with B = number of prompts × n, rows of the same prompt adjacent (interleaved).
     ``truncated`` (B,) is True where the response hit the length cap without an EOS.
+
+    ``response_mask`` is the loss mask: 1 on the tokens the model sampled. ``response_attention_mask``
+    is 1 on every real response token; it differs only in a multi-turn rollout
+    (:mod:`tearless.rollout.agent`), where tool output is context the model attends to (1) but did
+    not write (mask 0). It defaults to ``response_mask``.
     """
 
     prompt_ids: torch.Tensor
@@ -30,6 +35,11 @@ class RolloutOutput:
     response_mask: torch.Tensor
     log_probs: torch.Tensor
     truncated: torch.Tensor
+    response_attention_mask: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.response_attention_mask is None:
+            self.response_attention_mask = self.response_mask
 
 
 def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +97,13 @@ class HFRollout:
         top_k: int = -1,
         do_sample: bool = True,
         generator: torch.Generator | None = None,
+        stop_sequences: list[list[int]] | None = None,
     ) -> RolloutOutput:
-        """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each."""
+        """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
+
+        A response ends at an EOS token or, when ``stop_sequences`` are given, right after it has
+        produced one of those token sequences (kept in the response, like an EOS).
+        """
         from transformers import DynamicCache
 
         was_training = self.model.training
@@ -98,6 +113,7 @@ class HFRollout:
         device = next(self.model.parameters()).device
         ids, attn = prompt_ids.to(device), prompt_mask.to(device)
         eos = self.eos.to(device)
+        stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
         batch = ids.shape[0]
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
@@ -126,7 +142,7 @@ class HFRollout:
             tokens.append(torch.where(alive, tok, self.pad_token_id))
             logps.append(torch.where(alive, logp, 0.0))
             masks.append(alive.long())
-            finished = finished | torch.isin(tok, eos)
+            finished = finished | torch.isin(tok, eos) | _ends_with_stop(tokens, stops)
             if bool(finished.all()):
                 break
             attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
@@ -148,6 +164,15 @@ class HFRollout:
             log_probs=torch.stack(logps, 1).cpu(),
             truncated=~finished.cpu(),
         )
+
+
+def _ends_with_stop(tokens: list[torch.Tensor], stops: list[torch.Tensor]) -> torch.Tensor:
+    """(B,) True where the tokens generated so far end with one of the ``stops`` sequences."""
+    hit = torch.zeros_like(tokens[-1], dtype=torch.bool)
+    for stop in stops:
+        if len(stop) <= len(tokens):
+            hit |= (torch.stack(tokens[-len(stop) :], 1) == stop).all(-1)
+    return hit
 
 
 def select_rows(out: RolloutOutput, rows: torch.Tensor) -> RolloutOutput:
@@ -175,4 +200,5 @@ def concat_rollouts(outs: list[RolloutOutput], pad_token_id: int) -> RolloutOutp
         response_mask=torch.cat([right(o.response_mask, 0) for o in outs]),
         log_probs=torch.cat([right(o.log_probs, 0.0) for o in outs]),
         truncated=torch.cat([o.truncated for o in outs]),
+        response_attention_mask=torch.cat([right(o.response_attention_mask, 0) for o in outs]),
     )

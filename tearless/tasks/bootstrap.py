@@ -54,6 +54,7 @@ class TaskFiles:
     train_file: str
     val_file: str
     info: dict
+    tool_config_path: str | None = None  # the task's tool YAML (multi-turn tasks)
 
 
 def default_cache_dir() -> Path:
@@ -69,6 +70,7 @@ def tiny_llama(
     eos_token_id: int,
     bos_token_id: int,
     seed: int,
+    max_position_embeddings: int = 128,
 ) -> torch.nn.Module:
     """A randomly initialised Llama-style causal LM (4 heads, SwiGLU 3×, tied embeddings)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -80,7 +82,7 @@ def tiny_llama(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=128,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         pad_token_id=pad_token_id,
         eos_token_id=eos_token_id,
@@ -166,9 +168,6 @@ def prepare_task(
     spec: TaskSpec, cache_dir: str | os.PathLike | None = None, *, fresh: bool = False, log=print
 ) -> TaskFiles:
     """Return the task's files, building them first if the cache does not hold them."""
-    from tearless.data import write_parquet
-    from tearless.tasks.tokenizer import build_char_tokenizer
-
     root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
     final = root / spec.key()
     if fresh and final.exists():
@@ -179,21 +178,16 @@ def prepare_task(
         tmp.mkdir(parents=True)
         log(f"building the embedded '{spec.name}' task in {final} (cached for later runs)")
         start = time.perf_counter()
-        train_rows, val_rows = task_rows(spec)
-        write_parquet(train_rows, tmp / "train.parquet")
-        write_parquet(val_rows, tmp / "test.parquet")
-        tok = build_char_tokenizer()
-        model = task_model(spec, tok)
-        losses = supervised_warmup(
-            model, tok, train_rows, steps=spec.warmup_steps, seed=spec.seed, forget_carry=spec.forget_carry
-        )
-        with quiet_transformers():
-            model.save_pretrained(tmp / "model")
-            tok.save_pretrained(tmp / "model")
+        if spec.name == "multihop":
+            from tearless.tasks import multihop
+
+            built = multihop.build(spec, tmp)
+        else:
+            built = _build_arithmetic(spec, tmp)
         info = {
             "spec": asdict(spec),
             "version": VERSION,
-            "warmup_final_loss": sum(losses[-20:]) / len(losses[-20:]),
+            **built,
             "build_seconds": round(time.perf_counter() - start, 1),
         }
         (tmp / "task.json").write_text(json.dumps(info, indent=1))
@@ -203,4 +197,30 @@ def prepare_task(
             shutil.rmtree(tmp, ignore_errors=True)
         log(f"warm-up done in {info['build_seconds']} s (final loss {info['warmup_final_loss']:.3f})")
     info = json.loads((final / "task.json").read_text())
-    return TaskFiles(str(final / "model"), str(final / "train.parquet"), str(final / "test.parquet"), info)
+    tools = final / "tools.yaml"
+    return TaskFiles(
+        str(final / "model"),
+        str(final / "train.parquet"),
+        str(final / "test.parquet"),
+        info,
+        str(tools) if tools.is_file() else None,
+    )
+
+
+def _build_arithmetic(spec: TaskSpec, out: Path) -> dict:
+    """Write the arithmetic task's parquet files and warmed-up model into ``out``."""
+    from tearless.data import write_parquet
+    from tearless.tasks.tokenizer import build_char_tokenizer
+
+    train_rows, val_rows = task_rows(spec)
+    write_parquet(train_rows, out / "train.parquet")
+    write_parquet(val_rows, out / "test.parquet")
+    tok = build_char_tokenizer()
+    model = task_model(spec, tok)
+    losses = supervised_warmup(
+        model, tok, train_rows, steps=spec.warmup_steps, seed=spec.seed, forget_carry=spec.forget_carry
+    )
+    with quiet_transformers():
+        model.save_pretrained(out / "model")
+        tok.save_pretrained(out / "model")
+    return {"warmup_final_loss": sum(losses[-20:]) / len(losses[-20:])}

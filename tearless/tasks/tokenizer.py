@@ -9,6 +9,7 @@ works like any chat model's.
 from __future__ import annotations
 
 import string
+from collections.abc import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -26,8 +27,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """Return a char-level fast tokenizer: one token per printable ASCII character.
+
+    ``extra_tokens`` become single (non-special) tokens after the characters, e.g. the multi-hop QA
+    task's ``<search>`` tags, as chat models have single tokens for ``<tool_call>``; they survive
+    ``decode(skip_special_tokens=True)``.
 
     Decoding fuses tokens (``decoders.Fuse``) so ``decode(encode(s)) == s`` for any printable string;
     without it a WordLevel tokenizer joins tokens with spaces, which silently breaks exact-match
@@ -51,4 +56,6 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=4096,
     )
     tok.chat_template = CHAT_TEMPLATE
+    if extra_tokens:
+        tok.add_tokens(list(extra_tokens))
     return tok

@@ -48,6 +48,16 @@ def critic_enabled(cfg: Config) -> bool:
     return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
 
 
+def score_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last token with mask 1, where its score goes (0 for an empty row).
+
+    Not ``mask.sum(-1) - 1``: in a multi-turn rollout the mask has holes where tool output is, and
+    the last model token sits after them.
+    """
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)
+    return torch.where(mask.any(-1), last, 0)
+
+
 def uid_index(uids: list[str]) -> torch.Tensor:
     """Each row's group as a small integer (first appearance order), so tensors can carry the uid."""
     ids: dict[str, int] = {}
@@ -162,6 +172,7 @@ class RLTrainer:
                 self.model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
             )
         self.response_length = arr.rollout.response_length or data.max_response_length
+        self.agent = self._make_agent() if arr.rollout.multi_turn.enable else None
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
@@ -182,6 +193,7 @@ class RLTrainer:
     # ---------------------------------------------------------------- setup helpers
     def _resolve_paths(self) -> tuple[str, Any, Any]:
         cfg = self.cfg
+        self.task_tool_config: str | None = None
         model_path, train_files, val_files = (
             cfg.actor_rollout_ref.model.path,
             cfg.data.train_files,
@@ -194,9 +206,42 @@ class RLTrainer:
             spec = TaskSpec.from_config(task)
             files = prepare_task(spec, task.cache_dir, fresh=task.fresh, log=self.log)
             model_path = model_path or files.model_dir
+            self.task_tool_config = files.tool_config_path
             if train_files is None:
                 train_files, val_files = files.train_file, files.val_file
         return model_path, train_files, val_files
+
+    def _make_agent(self):
+        """The multi-turn agent loop over the rollout engine, with the tools of multi_turn.tool_config_path
+        (or of the embedded task)."""
+        from tearless.rollout.agent import AgentLoop, AgentSettings
+        from tearless.tools import load_tools
+
+        mt = self.cfg.actor_rollout_ref.rollout.multi_turn
+        path = mt.tool_config_path or self.task_tool_config
+        if path is None:
+            raise ValueError(
+                "actor_rollout_ref.rollout.multi_turn.tool_config_path is null and the embedded task "
+                f"{self.cfg.task.name!r} has no tools; point it at a tool YAML"
+            )
+        return AgentLoop(self.rollout, self.tokenizer, load_tools(path), AgentSettings.from_config(mt))
+
+    def _generate(
+        self, prompts: list[dict], *, n: int, **sampling: Any
+    ) -> tuple[RolloutOutput, list[dict], dict[str, float]]:
+        """``n`` responses per prompt, with the agent loop when multi-turn is on; returns the rollout,
+        one item per response (carrying its ``tool_calls`` in multi-turn) and the loop's metrics."""
+        if self.agent is None:
+            out = self.rollout.generate(
+                [p["input_ids"] for p in prompts], n=n, max_new_tokens=self.response_length, **sampling
+            )
+            return out, [p for p in prompts for _ in range(n)], {}
+        res = self.agent.generate(prompts, n=n, max_new_tokens=self.response_length, **sampling)
+        items = [
+            {**p, "tool_calls": info["tool_calls"]}
+            for p, info in zip([p for p in prompts for _ in range(n)], res.rows, strict=True)
+        ]
+        return res.out, items, res.metrics
 
     def _make_critic(self, model_path: str, resume_dir: Path | None) -> Critic:
         """The value model (from the checkpoint, critic.model.path or the actor's weights) and its worker,
@@ -345,9 +390,10 @@ class RLTrainer:
     ) -> tuple[torch.Tensor, torch.Tensor, dict, list[str], list[dict]]:
         """Decode and score responses; return scores (B,), correctness (B,), reward metrics, texts and
         each response's reward components (the scorer's extra keys)."""
+        # The whole trajectory (tool output included) is what the scorer reads.
         texts = [
             self.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
-            for ids, m in zip(out.response_ids, out.response_mask, strict=True)
+            for ids, m in zip(out.response_ids, out.response_attention_mask, strict=True)
         ]
         requests = [
             {
@@ -411,20 +457,19 @@ class RLTrainer:
             drawn += len(prompts)
             faults.point("rollout", step)
             with timer("gen"):
-                out = self.rollout.generate(
-                    [p["input_ids"] for p in prompts],
+                out, items, gen_metrics = self._generate(
+                    prompts,
                     n=n,
-                    max_new_tokens=self.response_length,
                     temperature=arr.rollout.temperature,
                     top_p=arr.rollout.top_p,
                     top_k=arr.rollout.top_k,
                     generator=_step_generator(self.cfg.trainer.seed, step, 0 if rounds == 1 else 10 + rounds),
                 )
-            items = [p for p in prompts for _ in range(n)]
             uids = [f"{step}-{rounds}-{i // n}" for i in range(len(items))]
             faults.point("reward", step)
             with timer("reward"):
                 scores, correct, metrics, texts, extras = self.score(items, out)
+            metrics.update(gen_metrics)
             if not fg.enable:
                 return items, out, uids, scores, correct, metrics, texts, extras
             keep = filter_groups(scores, uids).nonzero().squeeze(-1)
@@ -462,7 +507,7 @@ class RLTrainer:
         with timer("step"):
             items, out, uids, scores, correct, metrics, texts, extras = self.collect(step, timer)
             mask = out.response_mask
-            last = (mask.sum(-1) - 1).clamp(min=0)
+            last = score_positions(mask)
             token_scores = torch.zeros(mask.shape, dtype=torch.float32)
             token_scores[torch.arange(len(items)), last] = scores
             td = TensorDict(
@@ -471,6 +516,7 @@ class RLTrainer:
                     "prompt_mask": out.prompt_mask,
                     "response_ids": out.response_ids,
                     "response_mask": mask,
+                    "response_attention_mask": out.response_attention_mask,
                     "uid_index": uid_index(uids),
                 },
                 batch_size=[len(items)],
@@ -552,7 +598,7 @@ class RLTrainer:
         )
         metrics["train/zero_variance_group_ratio"] = zero_variance_group_ratio(scores, uids)
         metrics.update(timer.metrics())
-        tokens = int(out.prompt_mask.sum() + mask.sum())
+        tokens = int(out.prompt_mask.sum() + out.response_attention_mask.sum())
         metrics.update(
             {
                 "perf/total_num_tokens": float(tokens),
@@ -592,10 +638,8 @@ class RLTrainer:
 
     def _remax_baselines(self, prompts: list[dict], step: int) -> torch.Tensor:
         """ReMax's baseline: the reward of each prompt's greedy response, repeated for its n samples."""
-        out = self.rollout.generate(
-            [p["input_ids"] for p in prompts], n=1, max_new_tokens=self.response_length, do_sample=False
-        )
-        scores, _, _, _, _ = self.score(prompts, out)
+        out, items, _ = self._generate(prompts, n=1, do_sample=False)
+        scores, _, _, _, _ = self.score(items, out)
         return scores.repeat_interleave(self.cfg.actor_rollout_ref.rollout.n)
 
     def _dump_samples(self, step, items, uids, texts, scores, extras, advantages, mask, truncated) -> None:
@@ -660,10 +704,8 @@ class RLTrainer:
         per_source: dict[str, list[tuple[float, int]]] = defaultdict(list)
         for start in range(0, len(items), size):
             chunk = items[start : start + size]
-            out = self.rollout.generate(
-                [it["input_ids"] for it in chunk], n=n, max_new_tokens=self.response_length, **sampling
-            )
-            scores, correct, _, _, _ = self.score([it for it in chunk for _ in range(n)], out)
+            out, expanded, _ = self._generate(chunk, n=n, **sampling)
+            scores, correct, _, _, _ = self.score(expanded, out)
             for j, it in enumerate(chunk):
                 rows = slice(j * n, (j + 1) * n)
                 per_source[it["data_source"]].append((float(scores[rows].mean()), int(correct[rows].sum())))

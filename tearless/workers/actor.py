@@ -21,6 +21,12 @@ from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
 
 
+def attention_mask(td: TensorDict) -> torch.Tensor:
+    """The responses' attention mask: ``response_attention_mask`` when the batch has one (multi-turn
+    rollouts, where tool output is attended to but masked from the loss), else ``response_mask``."""
+    return td["response_attention_mask"] if "response_attention_mask" in td.keys() else td["response_mask"]
+
+
 def micro_batches(
     td: TensorDict, *, size: int | None = None, token_budget: int | None = None
 ) -> list[TensorDict]:
@@ -32,7 +38,7 @@ def micro_batches(
     if token_budget is None:
         step = size or rows
         return [td[i : i + step] for i in range(0, rows, step)]
-    lengths = (td["prompt_mask"].sum(-1) + td["response_mask"].sum(-1)).tolist()
+    lengths = (td["prompt_mask"].sum(-1) + attention_mask(td).sum(-1)).tolist()
     chunks, start, used = [], 0, 0
     for i, length in enumerate(lengths):
         if i > start and used + length > token_budget:
@@ -73,7 +79,7 @@ class LogProbWorker:
             mb["prompt_ids"],
             mb["prompt_mask"],
             mb["response_ids"],
-            mb["response_mask"],
+            attention_mask(mb),
             temperature=self.temperature,
             with_entropy=with_entropy,
         )

@@ -15,7 +15,7 @@ from tensordict import TensorDict
 
 from tearless.algos import value_loss
 from tearless.models.value import response_values
-from tearless.workers.actor import make_optimizer, micro_batches, run_updates
+from tearless.workers.actor import attention_mask, make_optimizer, micro_batches, run_updates
 
 
 class Critic:
@@ -43,7 +43,7 @@ class Critic:
         outs = []
         for mb in micro_batches(td, size=self.s.forward_micro_batch_size_per_gpu):
             values = response_values(
-                self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"]
+                self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], attention_mask(mb)
             )
             outs.append(values.cpu() * mb["response_mask"])
         self.model.train(was_training)
@@ -51,7 +51,7 @@ class Critic:
 
     def _micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
         vpreds = response_values(
-            self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"]
+            self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], attention_mask(mb)
         )
         device = vpreds.device
         mask = mb["response_mask"].to(device)

@@ -1,0 +1,360 @@
+"""The multi-turn agent loop: the model calls tools mid-answer and only its own tokens are trained.
+
+For each sample the loop generates until a stop tag or EOS; if the turn holds a tool call it runs the
+tool (all calls of a turn, across the batch, concurrently: :func:`tearless.tools.run_calls`), appends
+the result as tokens and lets the model continue. The whole trajectory is one token sequence:
+
+    prompt | model turn 1 | tool output 1 | model turn 2 | … | final model turn
+    loss mask:    1…1     |     0…0       |     1…1      | … |       1…1
+
+``RolloutOutput.response_mask`` is that loss mask (used by the policy loss, the KL terms, the entropy
+and the advantage estimators); ``response_attention_mask`` is 1 on every real token, so tool output
+is context the model reads. Two call formats (``multi_turn.format``):
+
+- ``search_r1``: ``<search>query</search>`` (one tag per tool, named after it; the text fills the
+  tool's first string argument) → ``<information>result</information>``; ``<answer>…</answer>`` ends.
+- ``hermes``: the prompt is rendered with the chat template's ``tools``; the model writes
+  ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` (several per turn allowed) and ends its turn
+  with EOS; results come back as ``tool`` messages rendered by the chat template. A turn without a
+  call is the final answer.
+
+Turn budget: turns 1 … ``max_assistant_turns`` − 1 may call tools, at most ``max_user_turns`` tool (or
+correction) turns are appended, and the turn after the budget runs out is the forced final turn: its
+calls are not executed and the trajectory ends (Search-R1's last generation with search disabled). An
+invalid action (a stop tag without its opening tag, an empty query, JSON that does not parse) gets
+``invalid_action_message`` (masked, like tool output) and the model tries again. Tool output is cut
+to ``max_tool_response_length`` tokens on ``tool_response_truncate_side``; the whole response (model
+and tool tokens) to the rollout's response length.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tearless.rollout.hf import HFRollout, RolloutOutput, left_pad
+from tearless.tools import ToolCall, ToolLike, function_schema, run_calls
+from tearless.tools.base import first_string_parameter
+
+FORMATS = ("search_r1", "hermes")
+TRUNCATE_SIDES = ("left", "right", "middle")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The ``actor_rollout_ref.rollout.multi_turn`` settings the loop uses (see the config schema)."""
+
+    format: str = "search_r1"
+    max_assistant_turns: int = 4
+    max_user_turns: int = 4
+    max_parallel_calls: int = 8
+    max_tool_response_length: int = 256
+    tool_response_truncate_side: str = "middle"
+    tool_timeout_s: float = 30.0
+    invalid_action_message: str = "Invalid action: call a tool or give the final answer."
+
+    @classmethod
+    def from_config(cls, mt: Any) -> AgentSettings:
+        return cls(**{f: getattr(mt, f) for f in cls.__dataclass_fields__})
+
+
+def cut_tokens(ids: list[int], limit: int, side: str) -> list[int]:
+    """``ids`` cut to ``limit`` tokens: ``left`` keeps the end, ``right`` the start, ``middle`` both ends."""
+    if len(ids) <= limit:
+        return ids
+    if side == "left":
+        return ids[len(ids) - limit :]
+    if side == "right":
+        return ids[:limit]
+    head = limit // 2
+    return ids[:head] + ids[len(ids) - (limit - head) :]
+
+
+@dataclass
+class Action:
+    """What a model turn asked for: ``answer`` (done), ``calls`` or ``invalid`` (with the reason)."""
+
+    kind: str
+    calls: list[ToolCall] = field(default_factory=list)
+    problem: str = ""
+
+
+class SearchR1Format:
+    """Tag calls (``<search>q</search>``), results in ``<information>…</information>``."""
+
+    eos_ends_trajectory = True  # EOS without an answer: the model gave up
+
+    def __init__(self, tools: dict[str, ToolLike], tokenizer: Any, settings: AgentSettings) -> None:
+        self.tokenizer, self.settings = tokenizer, settings
+        self.argument = {}
+        for name, tool in tools.items():
+            key = first_string_parameter(tool.parameters)
+            if key is None:
+                raise ValueError(
+                    f"tool {name!r} has no string argument, so multi_turn.format=search_r1 cannot call it "
+                    "as <name>text</name>; use multi_turn.format=hermes"
+                )
+            self.argument[name] = key
+        names = "|".join(["answer", *map(re.escape, tools)])
+        self.pattern = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
+        self.stops = [f"</{name}>" for name in tools] + ["</answer>"]
+
+    def prompt_ids(self, item: dict) -> list[int]:
+        return list(item["input_ids"])
+
+    def parse(self, text: str) -> Action:
+        match = self.pattern.search(text)
+        if match is None:
+            return Action("invalid", problem="no <tool>...</tool> call and no <answer>...</answer>")
+        tag, content = match.group(1), match.group(2).strip()
+        if tag == "answer":
+            return Action("answer")
+        if not content:
+            return Action("invalid", problem=f"empty <{tag}></{tag}>")
+        return Action("calls", [ToolCall(tag, {self.argument[tag]: content})])
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def result_tokens(self, results: list[str]) -> list[int]:
+        s = self.settings
+        body = self._encode("\n".join(results))
+        body = cut_tokens(body, s.max_tool_response_length, s.tool_response_truncate_side)
+        return self._encode("<information>") + body + self._encode("</information>")
+
+    def correction_tokens(self, problem: str) -> list[int]:
+        return self._encode(f"\n{self.settings.invalid_action_message} ({problem})\n")
+
+
+class HermesFormat:
+    """Chat-template tool calls: ``<tool_call>{json}</tool_call>``, results as ``tool`` messages."""
+
+    stops: list[str] = []  # noqa: RUF012  (the turn ends at EOS)
+    eos_ends_trajectory = False  # every turn ends with EOS; a turn without a call ends the trajectory
+    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def __init__(self, tools: dict[str, ToolLike], tokenizer: Any, settings: AgentSettings) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("multi_turn.format=hermes needs a tokenizer with a chat template")
+        self.tokenizer, self.settings = tokenizer, settings
+        self.schemas = [function_schema(t) for t in tools.values()]
+        # The text a tool turn adds after the assistant's EOS: rendered once with a placeholder.
+        base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        before = tokenizer.apply_chat_template(base, tokenize=False)
+        eos = tokenizer.eos_token
+        cut = before.rfind(eos) + len(eos) if eos and eos in before else len(before)
+        self._prefix_len = cut
+        self._base = base
+
+    def prompt_ids(self, item: dict) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            list(item["raw_prompt"]),
+            tools=self.schemas,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(ids)
+
+    def parse(self, text: str) -> Action:
+        blocks = self._CALL.findall(text)
+        if not blocks:
+            return Action("answer")
+        calls = []
+        for block in blocks:
+            try:
+                call = json.loads(block)
+            except json.JSONDecodeError as e:
+                return Action("invalid", problem=f"tool call is not valid JSON ({e.msg})")
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return Action("invalid", problem='a tool call needs {"name": ..., "arguments": {...}}')
+            arguments = call.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError as e:
+                    return Action("invalid", problem=f"arguments are not valid JSON ({e.msg})")
+            calls.append(ToolCall(call["name"], arguments))
+        return Action("calls", calls)
+
+    def _messages_tokens(self, contents: list[str]) -> list[int]:
+        messages = [*self._base, *({"role": "tool", "content": c} for c in contents)]
+        full = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(full[self._prefix_len :], add_special_tokens=False))
+
+    def result_tokens(self, results: list[str]) -> list[int]:
+        s = self.settings
+        contents = []
+        for text in results:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            cut = cut_tokens(ids, s.max_tool_response_length, s.tool_response_truncate_side)
+            contents.append(text if cut == ids else self.tokenizer.decode(cut))
+        return self._messages_tokens(contents)
+
+    def correction_tokens(self, problem: str) -> list[int]:
+        return self._messages_tokens([f"{self.settings.invalid_action_message} ({problem})"])
+
+
+@dataclass
+class _Trajectory:
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logps: list[float] = field(default_factory=list)
+    turns: int = 0
+    user_turns: int = 0
+    done: bool = False
+    answered: bool = False
+    truncated: bool = False
+    invalid: int = 0
+    tool_truncated: int = 0
+    calls: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class AgentRollout:
+    """The rollout, per-row info (``tool_calls``, ``num_turns``, ``answered``) and batch metrics."""
+
+    out: RolloutOutput
+    rows: list[dict]
+    metrics: dict[str, float]
+
+
+class AgentLoop:
+    """Multi-turn generation over an :class:`HFRollout` engine (see the module docstring)."""
+
+    def __init__(
+        self, engine: HFRollout, tokenizer: Any, tools: dict[str, ToolLike], settings: AgentSettings
+    ) -> None:
+        if settings.format not in FORMATS:
+            raise ValueError(f"multi_turn.format={settings.format!r} is not one of {', '.join(FORMATS)}")
+        self.engine, self.tokenizer, self.tools, self.settings = engine, tokenizer, tools, settings
+        fmt_cls = SearchR1Format if settings.format == "search_r1" else HermesFormat
+        self.fmt = fmt_cls(tools, tokenizer, settings)
+        self.stops = [list(tokenizer.encode(s, add_special_tokens=False)) for s in self.fmt.stops]
+        self.eos = set(engine.eos.tolist())
+
+    def generate(
+        self, items: list[dict], *, n: int = 1, max_new_tokens: int = 64, **sampling: Any
+    ) -> AgentRollout:
+        """``n`` trajectories per item (rows of an item adjacent), each at most ``max_new_tokens``
+        response tokens (model and tool tokens together). ``sampling`` goes to the engine."""
+        s, limit = self.settings, max_new_tokens
+        prompts = [self.fmt.prompt_ids(it) for it in items]
+        rows = [_Trajectory(list(p)) for p in prompts for _ in range(n)]
+        for turn in range(1, s.max_assistant_turns + 1):
+            active = [r for r in rows if not r.done]
+            if not active:
+                break
+            out = self.engine.generate(
+                [r.prompt + r.ids for r in active],
+                n=1,
+                max_new_tokens=max(limit - len(r.ids) for r in active),
+                stop_sequences=self.stops,
+                **sampling,
+            )
+            pending: list[tuple[_Trajectory, list[ToolCall]]] = []
+            for j, r in enumerate(active):
+                valid = out.response_mask[j].bool()
+                new, logps = out.response_ids[j][valid].tolist(), out.log_probs[j][valid].tolist()
+                room = limit - len(r.ids)
+                new, logps = new[:room], logps[:room]
+                r.ids += new
+                r.mask += [1] * len(new)
+                r.logps += logps
+                r.turns += 1
+                action = self.fmt.parse(self.tokenizer.decode(new, skip_special_tokens=True))
+                gave_up = self.fmt.eos_ends_trajectory and bool(new) and new[-1] in self.eos
+                if action.kind == "answer" or gave_up:
+                    r.done = True
+                    r.answered = action.kind == "answer"
+                elif len(r.ids) >= limit:
+                    r.done = r.truncated = True
+                elif turn == s.max_assistant_turns or r.user_turns >= s.max_user_turns:
+                    r.done = True  # the forced final turn: its calls are not run
+                elif action.kind == "calls":
+                    pending.append((r, action.calls))
+                else:
+                    r.invalid += 1
+                    self._append_env(r, self.fmt.correction_tokens(action.problem), limit)
+            self._run_pending(pending, limit)
+        return self._assemble(rows)
+
+    def _run_pending(self, pending: list[tuple[_Trajectory, list[ToolCall]]], limit: int) -> None:
+        s = self.settings
+        flat = [c for _, calls in pending for c in calls]
+        results = iter(
+            run_calls(flat, self.tools, max_parallel=s.max_parallel_calls, timeout_s=s.tool_timeout_s)
+        )
+        for r, calls in pending:
+            texts = []
+            for call in calls:
+                res = next(results)
+                texts.append(res.text)
+                r.calls.append(
+                    {"name": call.name, "arguments": call.arguments, "result": res.text, "error": res.error}
+                )
+                n_tokens = len(self.tokenizer.encode(res.text, add_special_tokens=False))
+                r.tool_truncated += n_tokens > s.max_tool_response_length
+            self._append_env(r, self.fmt.result_tokens(texts), limit)
+
+    @staticmethod
+    def _append_env(r: _Trajectory, tokens: list[int], limit: int) -> None:
+        """Append environment tokens (mask 0), cut to the response budget ``limit``; a trajectory
+        with no room left for the model to answer ends, truncated."""
+        r.user_turns += 1
+        room = limit - len(r.ids)
+        if len(tokens) >= room:
+            tokens = tokens[:room]
+            r.done = r.truncated = True
+        r.ids += tokens
+        r.mask += [0] * len(tokens)
+        r.logps += [0.0] * len(tokens)
+
+    def _assemble(self, rows: list[_Trajectory]) -> AgentRollout:
+        pad = self.engine.pad_token_id
+        prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad)
+        width = max(1, max(len(r.ids) for r in rows))
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        logps = torch.zeros((len(rows), width), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            k = len(r.ids)
+            ids[i, :k] = torch.tensor(r.ids, dtype=torch.long)
+            mask[i, :k] = torch.tensor(r.mask, dtype=torch.long)
+            attention[i, :k] = 1
+            logps[i, :k] = torch.tensor(r.logps, dtype=torch.float32)
+        out = RolloutOutput(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=ids,
+            response_mask=mask,
+            log_probs=logps,
+            truncated=torch.tensor([r.truncated for r in rows]),
+            response_attention_mask=attention,
+        )
+        info = [{"tool_calls": r.calls, "num_turns": r.turns, "answered": r.answered} for r in rows]
+        return AgentRollout(out, info, self._metrics(rows, mask, attention))
+
+    @staticmethod
+    def _metrics(rows: list[_Trajectory], mask: torch.Tensor, attention: torch.Tensor) -> dict[str, float]:
+        turns = torch.tensor([float(r.turns) for r in rows])
+        calls = torch.tensor([float(len(r.calls)) for r in rows])
+        return {
+            "multi_turn/num_turns/mean": float(turns.mean()),
+            "multi_turn/num_turns/max": float(turns.max()),
+            "multi_turn/num_turns/min": float(turns.min()),
+            "multi_turn/tool_calls/mean": float(calls.mean()),
+            "multi_turn/tool_errors": float(sum(c["error"] for r in rows for c in r.calls)),
+            "multi_turn/invalid_actions": float(sum(r.invalid for r in rows)),
+            "multi_turn/tool_response_truncated": float(sum(r.tool_truncated for r in rows)),
+            "multi_turn/answered": sum(r.answered for r in rows) / len(rows),
+            "multi_turn/tool_token_share": float(
+                (attention.sum() - mask.sum()) / attention.sum().clamp(min=1)
+            ),
+        }

@@ -1,0 +1,56 @@
+"""A real Search-R1 training run: the agent loop in the RL step and in validation, its metrics, tool
+calls in the rollout records, and a resumable run. (Learning itself is measured in
+benchmarks/search_r1.py: the warm-up that makes it learnable takes minutes.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tearless import train
+from tearless.trainers.records import read_records
+from tearless.trainers.tracking import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+def test_search_r1_preset_trains_with_the_agent_loop(tmp_path):
+    summary = train(
+        None,
+        [
+            f"task.cache_dir={tmp_path / 'cache'}",
+            "task.num_train=16",
+            "task.num_val=8",
+            "task.warmup_steps=30",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.total_training_steps=2",
+            "trainer.logger=[jsonl]",
+            "trainer.num_rollout_samples=4",
+            "data.train_batch_size=4",
+            "data.max_response_length=64",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.val_kwargs.n=2",
+            "reward_model.num_workers=0",
+        ],
+        preset="search_r1",
+        log=lambda _: None,
+    )
+    key = "val-core/searchR1_multihop/acc/greedy"
+    assert 0.0 <= summary["before"][key] <= 1.0 and key in summary["after"]
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "critic/score/mean" in r]
+    assert len(records) == 2
+    for r in records:
+        for name in ("num_turns/mean", "tool_calls/mean", "tool_errors", "answered", "tool_token_share"):
+            assert math.isfinite(r[f"multi_turn/{name}"])
+        assert 1.0 <= r["multi_turn/num_turns/mean"] <= 4.0
+        assert r["response_length/max"] <= 64
+    calls = [c for rec in read_records(tmp_path / "run" / "rollouts.jsonl.gz") for c in rec["tool_calls"]]
+    # 30 warm-up steps already teach the protocol: some samples search, and get real passages back.
+    assert calls and all(c["name"] == "search" and "query" in c["arguments"] for c in calls)
+    assert any(": born " in c["result"] for c in calls)
+    searching = [rec for rec in read_records(tmp_path / "run" / "rollouts.jsonl.gz") if rec["tool_calls"]]
+    assert all(
+        "<information>" in rec["response"] for rec in searching
+    )  # the scorer read the whole trajectory
