@@ -10,6 +10,7 @@ skips the step and is counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 
@@ -78,19 +79,30 @@ class LogProbWorker:
             with_entropy=with_entropy,
         )
 
-    @torch.no_grad()
     def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
-        """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches."""
+        """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches.
+
+        The forwards run under ``torch.inference_mode`` (no autograd bookkeeping at all); the results
+        are copied out of it so that they can enter a loss later as constants.
+        """
         was_training = self.model.training
         self.model.eval()
         outs, ents = [], []
-        for mb in micro_batches(td, size=self.micro_batch_size):
-            lp, ent = self.forward(mb, with_entropy=with_entropy)
-            outs.append(lp.cpu())
-            if ent is not None:
-                ents.append(ent.cpu())
-        self.model.train(was_training)
-        return torch.cat(outs), (torch.cat(ents) if ents else None)
+        try:
+            with torch.inference_mode(), self.forward_context():
+                for mb in micro_batches(td, size=self.micro_batch_size):
+                    lp, ent = self.forward(mb, with_entropy=with_entropy)
+                    outs.append(lp.cpu())
+                    if ent is not None:
+                        ents.append(ent.cpu())
+        finally:
+            self.model.train(was_training)
+        return torch.cat(outs).clone(), (torch.cat(ents).clone() if ents else None)
+
+    def forward_context(self):
+        """The context the forwards of :meth:`compute_log_prob` run in (a no-op here; the LoRA
+        reference disables the adapters)."""
+        return contextlib.nullcontext()
 
 
 class Actor(LogProbWorker):
