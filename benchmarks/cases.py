@@ -67,6 +67,7 @@ def medium_case(cache: Path | None = None) -> Case:
 
 def build_medium(root: Path, *, seed: int = 1) -> None:
     """Data, a fresh 512×8 Llama and its short supervised warm-up, written under ``root``."""
+    from tearless.config.sft import OfflineOptimConfig
     from tearless.data import PromptLoader, write_parquet
     from tearless.data.sft import SFTDataset
     from tearless.tasks import long_addition
@@ -74,7 +75,6 @@ def build_medium(root: Path, *, seed: int = 1) -> None:
     from tearless.tasks.tokenizer import build_char_tokenizer
     from tearless.trainers.offline import make_optimizer
     from tearless.trainers.sft import collate_fn, sft_step
-    from tearless.config.sft import OfflineOptimConfig
 
     start = time.perf_counter()
     root.mkdir(parents=True, exist_ok=True)

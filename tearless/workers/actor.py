@@ -105,6 +105,14 @@ class LogProbWorker:
         return contextlib.nullcontext()
 
 
+class AdapterOffLogProbWorker(LogProbWorker):
+    """The reference policy of a LoRA actor: the actor's own model with its adapters disabled,
+    π_ref = π_W with W the frozen base weights (no second copy of them)."""
+
+    def forward_context(self):
+        return self.model.disable_adapter()
+
+
 class Actor(LogProbWorker):
     """The trained policy: PPO-family updates with the losses of :mod:`tearless.algos`."""
 
