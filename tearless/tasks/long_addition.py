@@ -6,13 +6,15 @@ each column from the units up, then gives the sum. For ``47391+25868=`` the work
 to its right carried, ``x+y+1=s``. With the character tokenizer that is 36–52 tokens (plus the
 end-of-turn token).
 
-**Reward**: ``0.5 · (columns worked right, in order, out of 5) + 0.5 · [final sum right]``, so a
-model that has learned the format but not all the sums still gets a graded signal; ``acc`` is
-1.0 exactly when the final sum is right.
+**Reward**: ``0.5 · similarity + 0.5 · [final sum right]``, where ``similarity`` is difflib's
+ratio 2·M / (|response| + |reference|) between the response and the reference worked answer (M =
+characters in matching blocks), so a model that has only half learned the format and the column
+sums still gets a graded signal; ``acc`` is 1.0 exactly when the final sum is right.
 """
 
 from __future__ import annotations
 
+import difflib
 import random
 import re
 from typing import Any
@@ -34,19 +36,18 @@ def worked_answer(a: int, b: int) -> str:
 
 
 def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> dict:
-    """``score`` = 0.5 · (fraction of the reference's columns matched in order) + 0.5 · [sum right].
+    """``score`` = 0.5 · similarity to the reference worked answer + 0.5 · [final sum right].
 
-    ``ground_truth`` is the sum; the reference columns come from ``extra_info["a"]``/``["b"]`` when
-    given (the rows carry them), else only the final sum is scored.
+    ``ground_truth`` is the sum; the reference worked answer comes from ``extra_info["a"]``/``["b"]``
+    when given (the rows carry them), else only the final sum is scored.
     """
     match = _FINAL.search(solution_str)
     right = match is not None and int(match.group(1)) == int(str(ground_truth).strip())
-    columns = 0.0
+    similarity = 0.0
     if extra_info and "a" in extra_info and "b" in extra_info:
-        want = worked_answer(int(extra_info["a"]), int(extra_info["b"])).split(";")[:DIGITS]
-        got = solution_str.split(";")
-        columns = sum(g.strip() == w for g, w in zip(got, want, strict=False)) / DIGITS
-    return {"score": 0.5 * columns + 0.5 * float(right), "acc": float(right), "columns": columns}
+        reference = worked_answer(int(extra_info["a"]), int(extra_info["b"]))
+        similarity = difflib.SequenceMatcher(None, solution_str.strip(), reference, autojunk=False).ratio()
+    return {"score": 0.5 * similarity + 0.5 * float(right), "acc": float(right), "similarity": similarity}
 
 
 def to_row(a: int, b: int, split: str, index: int) -> dict:

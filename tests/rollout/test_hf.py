@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -195,7 +196,7 @@ def test_filter_logits_top_p_by_hand():
 
 
 def test_each_prompt_is_prefilled_once_finished_rows_leave_the_batch_and_no_forward_follows_the_end(setup):
-    tok, model, prompts, rollout = setup
+    _, model, prompts, rollout = setup
     batch_sizes, widths = [], []
 
     def record(module, args, kwargs):
@@ -214,7 +215,7 @@ def test_each_prompt_is_prefilled_once_finished_rows_leave_the_batch_and_no_forw
     assert len(batch_sizes) == out.response_ids.shape[1]
     # Rows that finished left: the decode batch only shrinks, and ends smaller than 24.
     decode = batch_sizes[1:]
-    assert decode[0] == 24 and all(a >= b for a, b in zip(decode, decode[1:], strict=False))
+    assert decode[0] == 24 and all(a >= b for a, b in itertools.pairwise(decode))
     assert decode[-1] < 24
     # … and the answers are still every prompt's own greedy answer, n times over.
     alone = rollout.generate(prompts, n=1, max_new_tokens=16, do_sample=False)

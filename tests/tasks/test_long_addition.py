@@ -24,16 +24,16 @@ def test_answers_are_32_to_64_tokens_with_the_char_tokenizer():
     assert len({(r["extra_info"]["a"], r["extra_info"]["b"]) for r in rows}) == 300
 
 
-def test_score_gives_half_for_the_columns_and_half_for_the_sum():
+def test_score_gives_half_for_similarity_and_half_for_the_sum():
     info = {"a": 47391, "b": 25868}
-    full = worked_answer(47391, 25868)
-    assert compute_score(full, "73259", info) == {"score": 1.0, "acc": 1.0, "columns": 1.0}
-    # Two of five columns right, then a wrong sum: 0.5 · 2/5.
-    wrong = "1+8=9;9+6=15;3+8=11;7+5=12;4+2=6;=62159"
-    assert compute_score(wrong, "73259", info) == {"score": 0.2, "acc": 0.0, "columns": 0.4}
-    # The right sum alone, without the work: half.
-    assert compute_score("=73259", "73259", info)["score"] == 0.5
-    assert compute_score("no answer", "73259", info)["score"] == 0.0
+    full = worked_answer(47391, 25868)  # 45 characters
+    assert compute_score(full, "73259", info) == {"score": 1.0, "acc": 1.0, "similarity": 1.0}
+    # The right sum alone: the 6 characters "=73259" match, ratio 2·6 / (6 + 45); plus the half for the sum.
+    assert compute_score("=73259", "73259", info)["score"] == 0.5 + 0.5 * 12 / 51
+    # The full work with the last digit of the sum wrong: 44 of 45 characters match, no sum credit.
+    wrong = full[:-1] + "8"
+    assert compute_score(wrong, "73259", info) == {"score": 0.5 * 88 / 90, "acc": 0.0, "similarity": 88 / 90}
+    assert compute_score("", "73259", info)["score"] == 0.0
     # The built-in dispatcher knows the data_source.
     assert dispatch("long_addition", full, "73259", info)["score"] == 1.0
 
