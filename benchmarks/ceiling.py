@@ -17,11 +17,12 @@ For one case (``--case small|medium``, the models and batches of ``vs_trl.py``):
 
 With ``--lora-memory``: peak RSS of ``--steps`` medium steps with full fine-tuning (and its second
 model copy for the reference) against LoRA (rank 16, reference = adapters off), each in a fresh
-process.
+process; ``--micro`` splits every pass into micro-batches of that many responses.
 
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py --case small --repeats 5 --steps 6
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py --case medium --repeats 3 --steps 3
-    OMP_NUM_THREADS=1 python benchmarks/ceiling.py --lora-memory --steps 3
+    OMP_NUM_THREADS=1 python benchmarks/ceiling.py --lora-memory --steps 2
+    OMP_NUM_THREADS=1 python benchmarks/ceiling.py --lora-memory --steps 1 --micro 16
 """
 
 from __future__ import annotations
@@ -142,7 +143,9 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
     }
 
 
-def measure_steps(case: Case, steps: int, seed: int, threads: int, lora_rank: int = 0) -> dict:
+def measure_steps(
+    case: Case, steps: int, seed: int, threads: int, lora_rank: int = 0, micro: int | None = None
+) -> dict:
     from tearless.config import load_config
     from tearless.trainers.rl import RLTrainer
 
@@ -151,6 +154,10 @@ def measure_steps(case: Case, steps: int, seed: int, threads: int, lora_rank: in
         if lora_rank:
             overrides += [f"actor_rollout_ref.model.lora_rank={lora_rank}",
                           f"actor_rollout_ref.model.lora_alpha={2 * lora_rank}"]  # fmt: skip
+        if micro:
+            overrides += [f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+                          f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+                          f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}"]  # fmt: skip
         trainer = RLTrainer(load_config(None, overrides), log=lambda _: None)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         rss_loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -188,12 +195,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--lora-memory", action="store_true")
+    ap.add_argument("--micro", type=int, default=None, help="responses per micro-batch (memory runs)")
     ap.add_argument("--lora-rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--steps-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.steps_only:
-        result = measure_steps(make_case(args.case), args.steps, args.seed, args.threads, args.lora_rank)
+        case = make_case(args.case)
+        result = measure_steps(case, args.steps, args.seed, args.threads, args.lora_rank, args.micro)
         print("RESULT " + json.dumps(result), flush=True)
         return
     if args.lora_memory:
@@ -202,6 +211,7 @@ def main() -> None:
         for rank in (0, 16):
             cmd = [sys.executable, __file__, "--steps-only", "--case", "medium", "--steps", str(args.steps),
                    "--threads", str(args.threads), "--lora-rank", str(rank)]  # fmt: skip
+            cmd += ["--micro", str(args.micro)] if args.micro else []
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
             if proc.returncode:
                 sys.exit(proc.stderr[-4000:])

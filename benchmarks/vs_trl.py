@@ -272,6 +272,12 @@ def main() -> None:
         f"torch {torch.__version__}, {args.threads} thread(s)",
         "median_s_per_step": med,
         "ratio_trl_over_tearless": med["trl"] / med["tearless"],
+        # Each round's two runs ran back to back under about the same load: their ratio is the
+        # fairer comparison when the load drifts between rounds.
+        "ratio_per_round": [
+            statistics.median(b["step_s"][1:]) / statistics.median(a["step_s"][1:])
+            for a, b in zip(runs["tearless"], runs["trl"], strict=True)
+        ],
         "held_out_acc": {k: [run["acc"] for run in v] for k, v in runs.items()},
         "held_out_score": {k: [run["score"] for run in v] for k, v in runs.items()},
         "peak_rss_mb": {k: max(max(run["peak_rss_mb"]) for run in v) for k, v in runs.items()},
