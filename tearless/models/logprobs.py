@@ -73,8 +73,7 @@ def response_logprobs(
             use_cache=False,
             logits_to_keep=width + 1,
         ).logits[:, :-1, :]
-    if logits.dtype in (torch.float16, torch.bfloat16):  # at least float32 (a float64 model stays so)
-        logits = logits.float()
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = logprobs_from_logits(logits, response_ids.to(device))

@@ -108,9 +108,10 @@ def test_entropy_has_gradient_only_when_asked(model):
 def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwards(model):
     # Two prompts (5 and 8 tokens) with three responses each (lengths 1-6), rows of a prompt adjacent
     # as the sampler lays them out: the prompt pass runs once per prompt and is repeated. Reference:
-    # each row forwarded on its own (nothing to share). In float64, so that tolerances check the maths
-    # rather than rounding; even so transformers keeps the rotary tables (and the backward of the
-    # attention) in float32, so gradients agree to ~1e-7 of their largest entry (measured 1.3e-7).
+    # each row forwarded on its own (nothing to share). In a float64 model, so that tolerances check
+    # the maths rather than rounding; even so the log-softmax runs in float32 (the log-prob contract)
+    # and transformers keeps the rotary tables in float32, so gradient entries agree to ~1e-7 of the
+    # largest one (measured 1e-7), not to float64 precision.
     import copy
 
     from tearless.models.logprobs import shared_prompt_runs
