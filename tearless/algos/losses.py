@@ -52,9 +52,13 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r"""Scalar policy loss and metrics for the mode registered as ``mode``.
+
+    ``rollout_is_weights`` (B, T), when given, multiplies each token's loss before aggregation
+    (truncated importance sampling for the rollout/trainer mismatch; detached, no gradient).
 
     Inputs are (B, T). ``kwargs`` take the normalisers of :func:`agg_loss` (``global_num_tokens``,
     ``global_num_seqs``, ``loss_scale_factor``) and the knobs of the registered modes (``clip_cov_ratio``,
@@ -84,6 +88,8 @@ def policy_loss(
         **kwargs,
     }
     loss_mat, own_metrics = call_accepted(fn, inputs, f"policy loss {mode!r}")
+    if rollout_is_weights is not None:
+        loss_mat = loss_mat * zero_masked(rollout_is_weights.detach().to(loss_mat.device), mask)
     loss = agg_loss(loss_mat, mask, FIXED_AGG_MODES.get(mode, loss_agg_mode), **agg_kwargs)
     zero = torch.zeros((), device=loss.device)
     metrics = {

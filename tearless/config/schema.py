@@ -81,6 +81,22 @@ class PolicyLossConfig:
 
 
 @dataclass
+class FSDPConfig:
+    param_offload: bool = doc(
+        False, "Ray placement on GPU: keep sharded parameters (and optimizer state) in CPU memory"
+    )
+    optimizer_offload: bool = doc(
+        False, "Ray placement on GPU: keep the optimizer state in CPU memory between updates"
+    )
+    param_dtype: str = doc(
+        "bfloat16", "Ray placement on GPU: compute dtype of FSDP2 mixed precision (master weights stay fp32)"
+    )
+    reshard_after_forward: bool = doc(
+        True, "free each block's gathered parameters after its forward (less memory, one more all-gather)"
+    )
+
+
+@dataclass
 class ActorConfig:
     ppo_mini_batch_size: int = doc(16, "prompts per optimizer step (× rollout.n responses)")
     ppo_micro_batch_size_per_gpu: int | None = doc(
@@ -107,6 +123,7 @@ class ActorConfig:
     )
     grad_clip: float = doc(1.0, "max global gradient norm")
     optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -120,7 +137,7 @@ class ValKwargs:
 
 @dataclass
 class RolloutConfig:
-    name: str = doc("hf", "rollout engine: hf (built-in KV-cache sampler)")
+    name: str = doc("hf", "rollout engine: hf (built-in KV-cache sampler) | vllm (GPU; needs the vllm extra)")
     n: int = doc(8, "responses sampled per prompt (the GRPO group size)")
     temperature: float = doc(1.0, "sampling temperature (> 0)")
     top_p: float = doc(1.0, "nucleus sampling mass")
@@ -128,6 +145,12 @@ class RolloutConfig:
     response_length: int | None = doc(None, "max new tokens; null = data.max_response_length")
     log_prob_micro_batch_size_per_gpu: int | None = doc(None, "rows per log-prob forward; null = all at once")
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
+    gpu_memory_utilization: float = doc(0.5, "vllm: fraction of GPU memory the engine may take (0, 1]")
+    tensor_model_parallel_size: int = doc(1, "vllm: GPUs one engine's tensor parallelism spans")
+    free_cache_engine: bool = doc(
+        True, "vllm: put the engine to sleep (weights and KV cache released) while training runs"
+    )
+    weight_sync_timeout_s: float = doc(600.0, "vllm: seconds allowed to load updated weights into the engine")
 
 
 @dataclass
@@ -135,6 +158,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = doc(
         None, "rows per reference forward; null = all at once"
     )
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -154,6 +178,7 @@ class CriticModelConfig:
         None, "unused by tearless (the actor's tokenizer is used); accepted for veRL configs"
     )
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -200,6 +225,16 @@ class KLCtrlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = doc(
+        None,
+        "truncated importance sampling of the policy loss by π_old/π_rollout: null (off) | token | "
+        "sequence; rollout_corr/* mismatch metrics are logged whenever old log-probs are computed",
+    )
+    rollout_is_threshold: float = doc(2.0, "TIS cap C on the importance weight")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = doc(
         "grpo",
@@ -213,6 +248,7 @@ class AlgorithmConfig:
     kl_penalty: str = doc("kl", "estimator for KL in reward: kl/k1 | abs | mse/k2 | low_var_kl/k3")
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass
@@ -298,8 +334,21 @@ class TrainerConfig:
         100.0, "stop writing rollout samples once rollouts.jsonl.gz would pass this size in MiB; 0 = no cap"
     )
     critic_warmup: int = doc(0, "steps at the start that update only the critic")
-    nnodes: int = doc(1, "nodes (single-process placement: 1)")
-    n_gpus_per_node: int = doc(1, "devices per node (single-process placement: 1)")
+    nnodes: int = doc(1, "nodes of the Ray placement (single-process placement: 1)")
+    n_gpus_per_node: int = doc(
+        1, "workers per node of the Ray placement: GPUs, or worker processes on CPU (gloo)"
+    )
+    placement: str = doc(
+        "auto",
+        "local (everything in this process) | ray (FSDP2-sharded workers, nnodes × n_gpus_per_node "
+        "per pool) | auto (ray when nnodes × n_gpus_per_node > 1)",
+    )
+    colocate: bool = doc(
+        True, "ray: actor, reference and critic share one pool of workers; false = one pool per role"
+    )
+    worker_timeout_s: float = doc(
+        600.0, "ray: limit on every wait for workers (a call, a collective, a weight sync) in seconds"
+    )
 
 
 @dataclass

@@ -147,7 +147,7 @@ def validate(cfg: Config) -> None:
             "Set a temperature or do_sample=false for greedy.",
         )
     _positive("actor_rollout_ref.rollout.val_kwargs.n", val.n)
-    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf",))
+    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
     _one_of(
         "actor_rollout_ref.actor.optim.lr_scheduler_type",
         actor.optim.lr_scheduler_type,
@@ -183,12 +183,7 @@ def validate(cfg: Config) -> None:
     response_length = cfg.actor_rollout_ref.rollout.response_length or data.max_response_length
     for key, problem, fix in reward_config_problems(cfg.reward_model, response_length):
         _fail(key, problem, fix)
-    if cfg.trainer.nnodes != 1 or cfg.trainer.n_gpus_per_node != 1:
-        _fail(
-            "trainer.n_gpus_per_node",
-            "the single-process trainer uses one device",
-            "Set trainer.nnodes=1 trainer.n_gpus_per_node=1.",
-        )
+    _validate_placement(cfg)
     if (data.train_files is None) != (data.val_files is None):
         _fail(
             "data.val_files" if data.val_files is None else "data.train_files",
@@ -242,6 +237,76 @@ def _validate_critic(cfg: Config) -> None:
     _one_of("critic.optim.lr_scheduler_type", c.optim.lr_scheduler_type, ("constant", "cosine"))
 
 
+def _validate_placement(cfg: Config) -> None:
+    """Ray placement, FSDP and rollout-engine keys (tearless.distributed, tearless.rollout.vllm)."""
+    import importlib.util
+
+    t, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
+    _one_of("trainer.placement", t.placement, ("auto", "local", "ray"))
+    _positive("trainer.nnodes", t.nnodes)
+    _positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
+    _positive("trainer.worker_timeout_s", t.worker_timeout_s)
+    world = t.nnodes * t.n_gpus_per_node
+    if t.placement == "local" and world != 1:
+        _fail(
+            "trainer.n_gpus_per_node",
+            f"trainer.placement=local runs in one process, but nnodes × n_gpus_per_node = {world}",
+            "Set trainer.placement=ray (or auto) to use several workers, or nnodes=1 n_gpus_per_node=1.",
+        )
+    ray_run = t.placement == "ray" or (t.placement == "auto" and world > 1)
+    if ray_run:
+        if importlib.util.find_spec("ray") is None:
+            _fail(
+                "trainer.placement",
+                f"{world} workers need Ray, which is not installed",
+                "pip install 'tearless[distributed]' (or ray), or set trainer.n_gpus_per_node=1.",
+            )
+        per_rank = cfg.data.train_batch_size * rollout.n
+        if per_rank < world:
+            _fail(
+                "trainer.n_gpus_per_node",
+                f"a step's {per_rank} responses cannot give each of {world} workers one row",
+                "Use fewer workers or a larger data.train_batch_size.",
+            )
+        mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n
+        if mini < world:
+            _fail(
+                "actor_rollout_ref.actor.ppo_mini_batch_size",
+                f"a mini-batch of {mini} responses cannot give each of {world} workers one row",
+                "Raise ppo_mini_batch_size or use fewer workers.",
+            )
+    for key, fsdp in [
+        ("actor_rollout_ref.actor.fsdp_config.param_dtype", cfg.actor_rollout_ref.actor.fsdp_config),
+        ("actor_rollout_ref.ref.fsdp_config.param_dtype", cfg.actor_rollout_ref.ref.fsdp_config),
+        ("critic.model.fsdp_config.param_dtype", cfg.critic.model.fsdp_config),
+    ]:
+        _one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16"))
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is not None:
+        _one_of("algorithm.rollout_correction.rollout_is", rc.rollout_is, ("token", "sequence"))
+        if rc.rollout_is_threshold < 1:
+            _fail(
+                "algorithm.rollout_correction.rollout_is_threshold",
+                f"must be >= 1, got {rc.rollout_is_threshold}",
+                "The cap C truncates weights above it; 2.0 is veRL's default.",
+            )
+    if rollout.name == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            _fail(
+                "actor_rollout_ref.rollout.name",
+                "vllm is not installed (it needs a CUDA GPU and a matching torch)",
+                "pip install 'tearless[vllm]' on a GPU machine, or use actor_rollout_ref.rollout.name=hf.",
+            )
+        if not 0 < rollout.gpu_memory_utilization <= 1:
+            _fail(
+                "actor_rollout_ref.rollout.gpu_memory_utilization",
+                f"must be in (0, 1], got {rollout.gpu_memory_utilization}",
+                "0.5 leaves half the GPU to training in a colocated run.",
+            )
+        _positive("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size)
+        _positive("actor_rollout_ref.rollout.weight_sync_timeout_s", rollout.weight_sync_timeout_s)
+
+
 def _validate_lora(cfg: Config) -> None:
     m = cfg.actor_rollout_ref.model
     if not isinstance(m.lora_rank, int) or isinstance(m.lora_rank, bool) or m.lora_rank < 0:
@@ -258,6 +323,20 @@ def _validate_lora(cfg: Config) -> None:
                 "Set actor_rollout_ref.model.lora_rank > 0 or drop lora_save_merged.",
             )
         return
+    from tearless.distributed import uses_ray
+
+    if uses_ray(cfg):
+        _fail(
+            "actor_rollout_ref.model.lora_rank",
+            "LoRA runs in the single-process placement only (the Ray/FSDP workers do not load adapters)",
+            "Set trainer.placement=local (nnodes=1 n_gpus_per_node=1) or lora_rank=0.",
+        )
+    if cfg.actor_rollout_ref.rollout.name != "hf":
+        _fail(
+            "actor_rollout_ref.model.lora_rank",
+            f"the adapters are not synced to the {cfg.actor_rollout_ref.rollout.name} rollout engine",
+            "Use actor_rollout_ref.rollout.name=hf or lora_rank=0.",
+        )
     _positive("actor_rollout_ref.model.lora_alpha", m.lora_alpha)
     targets = m.target_modules
     names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets or [])

@@ -44,6 +44,14 @@ def quiet_transformers():
         hf_logging.enable_progress_bar()
 
 
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """The device a model's forward runs on: its ``tearless_compute_device`` attribute when set (FSDP2
+    with CPU parameter offload keeps the parameters in CPU memory but computes on the accelerator),
+    else the device of its parameters."""
+    device = getattr(model, "tearless_compute_device", None)
+    return torch.device(device) if device is not None else next(model.parameters()).device
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """Map a config string (``float32``/``bf16``/…) to a torch dtype, with a clear error."""
     try:

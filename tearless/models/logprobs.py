@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from tearless.algos import entropy_from_logits, logprobs_from_logits
+from tearless.models.loading import compute_device
 
 
 def sequence_inputs(
@@ -50,7 +51,7 @@ def response_logprobs(
     Entropy is computed without gradient (it is a metric unless the caller differentiates it; pass
     ``with_entropy="grad"`` for the entropy bonus).
     """
-    device = next(model.parameters()).device
+    device = compute_device(model)
     counts = shared_prompt_runs(prompt_ids, prompt_mask)
     # A KV cache under activation checkpointing is switched off by transformers: use the plain pass.
     checkpointing = getattr(model, "is_activation_checkpointing", None)

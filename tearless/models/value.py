@@ -14,6 +14,7 @@ import torch
 
 from tearless.models.loading import (
     check_model_dir,
+    compute_device,
     enable_activation_checkpointing,
     quiet_transformers,
     resolve_dtype,
@@ -28,15 +29,22 @@ def load_value_model(
     gradient_checkpointing: bool = False,
     key: str = "critic.model.path",
 ) -> torch.nn.Module:
-    """A one-label token-classification model from ``path``; the head is zeroed if it is new."""
+    """A one-label token-classification model from ``path``; the head is zeroed if it is new.
+
+    The classifier dropout that transformers adds before the head (0.1 for Llama when the config
+    names none) is turned off, as veRL does for its critics: it made the values, and so GAE's
+    advantages and the value loss, depend on the dropout random stream rather than on the data.
+    """
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     path = check_model_dir(path, key)
     config = AutoConfig.from_pretrained(str(path))
     is_value_model = config.architectures and any("TokenClassification" in a for a in config.architectures)
+    config.num_labels = 1
+    config.classifier_dropout = 0.0
     with quiet_transformers():
         model = AutoModelForTokenClassification.from_pretrained(
-            str(path), num_labels=1, dtype=resolve_dtype(dtype)
+            str(path), config=config, dtype=resolve_dtype(dtype)
         )
     if not is_value_model:
         head = model.score if hasattr(model, "score") else model.classifier  # Llama/Qwen vs BERT-style names
@@ -57,7 +65,7 @@ def response_values(
 ) -> torch.Tensor:
     """V(s_t) for each response token, (B, R): the value of the state before the token is generated,
     read at the position that predicts it (the same shift as the log-probs)."""
-    device = next(model.parameters()).device
+    device = compute_device(model)
     ids, mask, positions = (
         t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     )

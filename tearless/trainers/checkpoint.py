@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,13 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int | None = None,
     extra_models: dict[str, torch.nn.Module] | None = None,
+    write_shards: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints.
 
     ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as ``save_pretrained`` directories
-    beside ``actor/``.
+    beside ``actor/``. ``write_shards(directory)`` adds files written by other processes (the Ray
+    workers' optimizer shards) inside the temporary directory, so they too appear only when complete.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,6 +64,8 @@ def save_checkpoint(
             tokenizer.save_pretrained(tmp / "actor")
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
+        if write_shards is not None:
+            write_shards(tmp)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / MARKER).write_text(str(step))
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted run

@@ -13,14 +13,12 @@ Validation, metrics, rollout samples and checkpoints happen around it in ``fit``
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,22 +27,30 @@ from tensordict import TensorDict
 from tearless.algos import compute_advantage, filter_groups, make_kl_controller
 from tearless.config import Config, to_dict
 from tearless.data import PromptDataset, PromptLoader, load_many
+from tearless.distributed import uses_ray
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.value import load_value_model
 from tearless.rewards import load_reward_function, make_reward_manager
+from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, reward_kl
-from tearless.workers.critic import Critic, critic_value_stats, explained_variance
+from tearless.workers.critic import Critic, critic_settings, critic_value_stats, explained_variance
 
 
 def critic_enabled(cfg: Config) -> bool:
     """A critic is trained when ``critic.enable`` says so, or (null) when the estimator is GAE."""
     enable = cfg.critic.enable
     return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
+
+
+def uid_index(uids: list[str]) -> torch.Tensor:
+    """Each row's group as a small integer (first appearance order), so tensors can carry the uid."""
+    ids: dict[str, int] = {}
+    return torch.tensor([ids.setdefault(u, len(ids)) for u in uids], dtype=torch.long)
 
 
 def _step_generator(seed: int, step: int, stream: int) -> torch.Generator:
@@ -97,37 +103,53 @@ class RLTrainer:
         self.batches_consumed = 0
         self.start_step, resume_dir = self._find_resume()
         self.model = self._load_actor_model(model_path, resume_dir)
-        self.ref = None
-        if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and arr.model.lora_rank > 0:
-            self.ref = AdapterOffLogProbWorker(
+        self.workers = None
+        if uses_ray(cfg):
+            self._start_workers(model_path, resume_dir)
+        else:
+            self.ref = None
+            if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and arr.model.lora_rank > 0:
+                self.ref = AdapterOffLogProbWorker(
+                    self.model,
+                    temperature=arr.rollout.temperature,
+                    micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                )
+            elif arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+                ref_model = (
+                    load_causal_lm(model_path, dtype=arr.model.dtype).to(self.device).requires_grad_(False)
+                )
+                self.ref = LogProbWorker(
+                    ref_model,
+                    temperature=arr.rollout.temperature,
+                    micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                )
+            self.actor = Actor(
                 self.model,
+                arr.actor,
+                rollout_n=arr.rollout.n,
                 temperature=arr.rollout.temperature,
-                micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                total_steps=self.total_steps,
+                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
             )
-        elif arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            ref_model = (
-                load_causal_lm(model_path, dtype=arr.model.dtype).to(self.device).requires_grad_(False)
-            )
-            self.ref = LogProbWorker(
-                ref_model,
-                temperature=arr.rollout.temperature,
-                micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
-            )
-        self.actor = Actor(
-            self.model,
-            arr.actor,
-            rollout_n=arr.rollout.n,
-            temperature=arr.rollout.temperature,
-            total_steps=self.total_steps,
-            log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
-        )
-        self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
+            self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
         eos = {self.tokenizer.eos_token_id}
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        self.rollout = HFRollout(
-            self.model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
-        )
+        if arr.rollout.name == "vllm":
+            from tearless.rollout.vllm import VLLMRollout
+
+            self.rollout = VLLMRollout(
+                str(resume_dir / "actor" if resume_dir else model_path),
+                arr.rollout,
+                dtype=arr.model.dtype,
+                eos_token_ids=sorted(eos),
+                pad_token_id=self.tokenizer.pad_token_id,
+                seed=t.seed,
+            )
+        else:
+            self.rollout = HFRollout(
+                self.model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
+            )
         self.response_length = arr.rollout.response_length or data.max_response_length
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
@@ -193,22 +215,55 @@ class RLTrainer:
     def _make_critic(self, model_path: str, resume_dir: Path | None) -> Critic:
         """The value model (from the checkpoint, critic.model.path or the actor's weights) and its worker,
         with the critic's null settings inherited from the actor's."""
-        c, a = self.cfg.critic, self.cfg.actor_rollout_ref.actor
+        c = self.cfg.critic
         path = resume_dir / "critic" if resume_dir else (c.model.path or model_path)
         model = load_value_model(
             path,
             dtype=self.cfg.actor_rollout_ref.model.dtype,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
         ).to(self.device)
-        settings = SimpleNamespace(
-            **{f.name: getattr(c, f.name) for f in dataclasses.fields(c)},
-        )
-        for name in ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "use_dynamic_bsz"):
-            if getattr(settings, name) is None:
-                setattr(settings, name, getattr(a, name))
         return Critic(
-            model, settings, rollout_n=self.cfg.actor_rollout_ref.rollout.n, total_steps=self.total_steps
+            model,
+            critic_settings(self.cfg),
+            rollout_n=self.cfg.actor_rollout_ref.rollout.n,
+            total_steps=self.total_steps,
         )
+
+    def _start_workers(self, model_path: str, resume_dir: Path | None) -> None:
+        """Ray placement (:mod:`tearless.distributed`): the actor, reference and critic run in FSDP2-sharded
+        worker processes; this process keeps a full copy of the policy for rollout and consolidated
+        checkpoints, refreshed by the actor group after every update."""
+        from tearless.distributed.placement import RayWorkers
+
+        cfg, arr = self.cfg, self.cfg.actor_rollout_ref
+        roles, paths = ["actor"], {"actor": str(resume_dir / "actor" if resume_dir else model_path)}
+        if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            roles.append("ref")
+            paths["ref"] = str(model_path)
+        critic_model = None
+        if critic_enabled(cfg):
+            roles.append("critic")
+            critic_path = resume_dir / "critic" if resume_dir else (cfg.critic.model.path or model_path)
+            paths["critic"] = str(critic_path)
+            critic_model = load_value_model(paths["critic"], dtype=arr.model.dtype)
+        self.workers = RayWorkers(
+            cfg,
+            roles=roles,
+            paths=paths,
+            total_steps=self.total_steps,
+            device=self.device.type,
+            sync_to=[self._push_weights],
+            critic_model=critic_model,
+            run_dir=self.run_dir,
+        )
+        self.actor, self.ref, self.critic = self.workers.actor, self.workers.ref, self.workers.critic
+
+    def _push_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Where the Ray actor group sends the updated weights: the driver's copy of the policy
+        (rollout and checkpoints) and the rollout engine when it keeps its own (vLLM)."""
+        self.model.load_state_dict(state)
+        if hasattr(self.rollout, "update_weights"):
+            self.rollout.update_weights(state)
 
     def _find_resume(self) -> tuple[int, Path | None]:
         t = self.cfg.trainer
@@ -236,14 +291,22 @@ class RLTrainer:
 
     def _load_state(self, path: Path) -> None:
         state = self._resume_state
-        self.actor.optimizer.load_state_dict(state["optimizer"])
-        self.actor.scheduler.load_state_dict(state["scheduler"])
-        self.actor.skipped_steps = state["skipped_steps"]
+        if self.workers is not None:
+            self.workers.load(path, state)
+        elif "optimizer" not in state:
+            raise ValueError(
+                f"{path} was written by a trainer.placement=ray run (optimizer shards in {path / 'dcp'}); "
+                "resume it with trainer.placement=ray on any number of workers"
+            )
+        else:
+            self.actor.optimizer.load_state_dict(state["optimizer"])
+            self.actor.scheduler.load_state_dict(state["scheduler"])
+            self.actor.skipped_steps = state["skipped_steps"]
+            if self.critic is not None:
+                self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+                self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.batches_consumed = state["batches_consumed"]
-        if self.critic is not None:
-            self.critic.optimizer.load_state_dict(state["critic_optimizer"])
-            self.critic.scheduler.load_state_dict(state["critic_scheduler"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.log(f"resumed from {path} at step {self.start_step}")
@@ -251,8 +314,6 @@ class RLTrainer:
     def save(self, step: int) -> Path:
         state = {
             "global_step": step,
-            "optimizer": self.actor.optimizer.state_dict(),
-            "scheduler": self.actor.scheduler.state_dict(),
             "skipped_steps": self.actor.skipped_steps,
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -261,9 +322,15 @@ class RLTrainer:
             "config": to_dict(self.cfg),
         }
         extra = {}
+        if self.workers is not None:
+            state["workers"] = self.workers.trainer_state()
+        else:
+            state["optimizer"] = self.actor.optimizer.state_dict()
+            state["scheduler"] = self.actor.scheduler.state_dict()
+            if self.critic is not None:
+                state["critic_optimizer"] = self.critic.optimizer.state_dict()
+                state["critic_scheduler"] = self.critic.scheduler.state_dict()
         if self.critic is not None:
-            state["critic_optimizer"] = self.critic.optimizer.state_dict()
-            state["critic_scheduler"] = self.critic.scheduler.state_dict()
             extra["critic"] = self.critic.model
         model_cfg = self.cfg.actor_rollout_ref.model
         if model_cfg.lora_rank > 0 and model_cfg.lora_save_merged:
@@ -278,6 +345,7 @@ class RLTrainer:
             state=state,
             keep=self.cfg.trainer.max_actor_ckpt_to_keep,
             extra_models=extra,
+            write_shards=self.workers.save_shards if self.workers is not None else None,
         )
 
     # ---------------------------------------------------------------- one RL step
@@ -407,14 +475,31 @@ class RLTrainer:
                     "prompt_mask": out.prompt_mask,
                     "response_ids": out.response_ids,
                     "response_mask": mask,
+                    "uid_index": uid_index(uids),
                 },
                 batch_size=[len(items)],
             )
             n = cfg.actor_rollout_ref.rollout.n
             prompts = items[::n]
-            if not self.actor.on_policy(len(prompts)) or alg.use_kl_in_reward:
+            rc = alg.rollout_correction
+            if (
+                not self.actor.on_policy(len(prompts))
+                or alg.use_kl_in_reward
+                or rc.rollout_is is not None
+                or cfg.actor_rollout_ref.rollout.name != "hf"
+            ):
                 with timer("old_log_prob"):
                     td["old_log_prob"], _ = self.actor.compute_log_prob(td)
+                weights, corr = rollout_correction(
+                    td["old_log_prob"],
+                    out.log_probs,
+                    mask,
+                    level=rc.rollout_is,
+                    threshold=rc.rollout_is_threshold,
+                )
+                metrics.update(corr)
+                if weights is not None:
+                    td["rollout_is_weights"] = weights
             if self.ref is not None:
                 with timer("ref"):
                     td["ref_log_prob"], _ = self.ref.compute_log_prob(td)
@@ -454,6 +539,8 @@ class RLTrainer:
                     metrics.update(
                         self.actor.update_policy(td, generator=_step_generator(cfg.trainer.seed, step, 1))
                     )
+                if self.workers is None and hasattr(self.rollout, "update_weights"):
+                    self.rollout.update_weights(self.model.state_dict())  # the Ray actor group syncs itself
         metrics.update(
             data_metrics(
                 scores=scores,
@@ -622,6 +709,8 @@ class RLTrainer:
         finally:
             tracker.close()
             self.reward.close()
+            if self.workers is not None:
+                self.workers.close()
         summary["seconds"] = time.perf_counter() - started
         summary["steps"] = self.total_steps
         return summary

@@ -156,6 +156,7 @@ class Actor(LogProbWorker):
             clip_ratio_high=high,
             clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
+            rollout_is_weights=mb.get("rollout_is_weights", None),
             **norm,
         )
         loss = pg_loss

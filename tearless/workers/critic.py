@@ -7,6 +7,9 @@ epochs × mini-batches × micro-batches schedule as the actor (:func:`run_update
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import torch
 from tensordict import TensorDict
 
@@ -87,6 +90,16 @@ class Critic:
             skipped=self.skipped_steps,
         )
         return out
+
+
+def critic_settings(cfg) -> SimpleNamespace:
+    """The ``critic`` config section with every null (inherit-from-actor) field resolved from the actor's."""
+    c, a = cfg.critic, cfg.actor_rollout_ref.actor
+    settings = SimpleNamespace(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
+    for name in ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "use_dynamic_bsz"):
+        if getattr(settings, name) is None:
+            setattr(settings, name, getattr(a, name))
+    return settings
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

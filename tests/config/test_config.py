@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -129,17 +130,49 @@ def test_micro_batch_must_divide_the_mini_batch_responses():
         (["data.truncation=cut"], "data.truncation", "middle"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "global_step_N"),
         (["trainer.logger=[console,neptune]"], "trainer.logger", "tensorboard"),
-        (["trainer.n_gpus_per_node=8"], "trainer.n_gpus_per_node", "one device"),
+        (
+            ["trainer.placement=local", "trainer.n_gpus_per_node=8"],
+            "trainer.n_gpus_per_node",
+            "placement=ray",
+        ),
+        (["trainer.placement=cluster"], "trainer.placement", "ray"),
+        (["trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node", "> 0"),
+        (["trainer.worker_timeout_s=0"], "trainer.worker_timeout_s", "> 0"),
+        (
+            [
+                "data.train_batch_size=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                "trainer.n_gpus_per_node=32",
+            ],
+            "trainer.n_gpus_per_node",
+            "32 workers",
+        ),
+        (["algorithm.rollout_correction.rollout_is=batch"], "rollout_correction.rollout_is", "sequence"),
+        (
+            [
+                "algorithm.rollout_correction.rollout_is=token",
+                "algorithm.rollout_correction.rollout_is_threshold=0.5",
+            ],
+            "rollout_is_threshold",
+            ">= 1",
+        ),
+        (["actor_rollout_ref.actor.fsdp_config.param_dtype=int8"], "fsdp_config.param_dtype", "bfloat16"),
         (["reward_model.enable=true"], "reward_model.model.path", "needs a model"),
         (["reward_model.timeout_s=0"], "reward_model.timeout_s", "> 0"),
         (["data.val_files=null"], "data.val_files", "both"),
-        (["actor_rollout_ref.rollout.name=vllm"], "actor_rollout_ref.rollout.name", "hf"),
+        (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name", "vllm"),
         (["task.forget_carry=1.5"], "task.forget_carry", "probability"),
     ],
 )
 def test_impossible_settings_name_the_key_and_the_fix(overrides, key, words):
     msg = fails(*overrides)
     assert key in msg and words in msg, msg
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_vllm_requested_without_vllm_names_the_key_and_the_extra():
+    msg = fails("actor_rollout_ref.rollout.name=vllm")
+    assert "actor_rollout_ref.rollout.name" in msg and "tearless[vllm]" in msg and "name=hf" in msg, msg
 
 
 def test_the_straight_through_kl_forms_are_accepted():
