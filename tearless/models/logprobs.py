@@ -58,7 +58,10 @@ def response_logprobs(
     if checkpointing is None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
     checkpointing = checkpointing and torch.is_grad_enabled()
-    if counts is not None and not checkpointing:
+    # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and whether a rank's
+    # batch has shared prompts differs between ranks: they all take the plain pass.
+    sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if counts is not None and not checkpointing and not sharded:
         logits = _shared_prompt_logits(
             model, *(t.to(device) for t in (prompt_ids, prompt_mask, response_ids, response_mask)), counts
         )
