@@ -44,15 +44,17 @@ def response_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool | str = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return log π(y_t | x, y_<t) of each response token, shape (B, R), and optionally its entropy.
 
     Logits are divided by ``temperature`` first, matching the distribution the sampler drew from.
     Entropy is computed without gradient (it is a metric unless the caller differentiates it; pass
-    ``with_entropy="grad"`` for the entropy bonus).
+    ``with_entropy="grad"`` for the entropy bonus). ``share_prompts`` forwards a prompt shared by adjacent
+    rows once (see the module docstring); False always runs one plain pass over every whole sequence.
     """
     device = compute_device(model)
-    counts = shared_prompt_runs(prompt_ids, prompt_mask)
+    counts = shared_prompt_runs(prompt_ids, prompt_mask) if share_prompts else None
     # A KV cache under activation checkpointing is switched off by transformers: use the plain pass.
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:

@@ -113,6 +113,7 @@ class RLTrainer:
                     self.model,
                     temperature=arr.rollout.temperature,
                     micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                    share_prompts=arr.model.share_prompt_forward,
                 )
             elif arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 ref_model = (
@@ -122,6 +123,7 @@ class RLTrainer:
                     ref_model,
                     temperature=arr.rollout.temperature,
                     micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                    share_prompts=arr.model.share_prompt_forward,
                 )
             self.actor = Actor(
                 self.model,
@@ -130,6 +132,7 @@ class RLTrainer:
                 temperature=arr.rollout.temperature,
                 total_steps=self.total_steps,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                share_prompts=arr.model.share_prompt_forward,
             )
             self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
         eos = {self.tokenizer.eos_token_id}

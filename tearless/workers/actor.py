@@ -62,10 +62,18 @@ def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: floa
 class LogProbWorker:
     """Forward-only log-probs of responses (the reference policy, or the actor's old log-probs)."""
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, micro_batch_size: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        temperature: float,
+        micro_batch_size: int | None = None,
+        share_prompts: bool = True,
+    ):
         self.model = model
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.share_prompts = share_prompts
 
     def forward(self, mb: TensorDict, *, with_entropy: bool | str = False):
         """Log-probs (and entropy) of one micro-batch's responses, with gradient if enabled."""
@@ -77,6 +85,7 @@ class LogProbWorker:
             mb["response_mask"],
             temperature=self.temperature,
             with_entropy=with_entropy,
+            share_prompts=self.share_prompts,
         )
 
     def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
@@ -125,8 +134,14 @@ class Actor(LogProbWorker):
         temperature: float,
         total_steps: int,
         log_prob_micro_batch_size: int | None = None,
+        share_prompts: bool = True,
     ):
-        super().__init__(model, temperature=temperature, micro_batch_size=log_prob_micro_batch_size)
+        super().__init__(
+            model,
+            temperature=temperature,
+            micro_batch_size=log_prob_micro_batch_size,
+            share_prompts=share_prompts,
+        )
         self.cfg = cfg
         self.rollout_n = rollout_n
         self.params = [p for p in model.parameters() if p.requires_grad]
