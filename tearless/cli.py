@@ -3,7 +3,8 @@
 Commands: ``train`` (RL training, veRL-style dotted overrides), ``sft`` and ``dpo`` (the offline
 trainers), ``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
 ``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
-and documentation). Heavy imports happen inside the commands so ``tearless --help`` is quick.
+and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
+Heavy imports happen inside the commands so ``tearless --help`` is quick.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_offline_parsers(sub)
     _add_report_parsers(sub)
     _add_samples_parser(sub)
+    from tearless.flow.cli import add_flow_parsers
+
+    add_flow_parsers(sub)
     return p
 
 
@@ -56,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
         return _data(args)
     if args.command == "samples":
         return _samples(args)
+    if args.command.startswith("flow-"):
+        from tearless.flow.cli import run as run_flow
+
+        return run_flow(args)
     if args.command in ("report", "compare"):
         return _report(args)
     if args.command in ("sft", "dpo"):

@@ -38,6 +38,7 @@ def compute_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
     reward_baselines: Tensor | None = None,
+    std_scope: str = "group",
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns, both (B, T), from the estimator registered as ``estimator``.
 
@@ -46,7 +47,9 @@ def compute_advantage(
     names; one it needs that is None (``values`` for ``gae``, ``index`` for group estimators,
     ``reward_baselines`` for ``remax``) raises ValueError naming it. The whitened estimators (``gae``,
     ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``) need at least two valid tokens in the
-    batch. Runs without autograd: advantages are constants for the policy update.
+    batch. ``std_scope`` (``grpo`` only) is ``group`` (each group's std, the default) or ``batch`` (one
+    std over every row's outcome reward, as Flow-GRPO's ``global_std``). Runs without autograd:
+    advantages are constants for the policy update.
     """
     fn = lookup(ADV_ESTIMATORS, estimator, "advantage estimator")
     if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
@@ -66,6 +69,7 @@ def compute_advantage(
         "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,
         "epsilon": epsilon,
         "reward_baselines": reward_baselines,
+        "std_scope": std_scope,
     }
     return call_accepted(fn, inputs, f"advantage estimator {estimator!r}")
 
@@ -148,23 +152,32 @@ def grpo_advantage(
     index: GroupIndex,
     norm_adv_by_std_in_grpo: bool,
     epsilon: float,
+    std_scope: str = "group",
 ) -> tuple[Tensor, Tensor]:
     r"""GRPO (Shao et al. 2024): group-normalised outcome reward.
 
     .. math:: A_i = \frac{R_i - \mu_{g(i)}}{\sigma_{g(i)} + \epsilon} \quad
               (\text{or } R_i - \mu_{g(i)} \text{ when not norm\_adv\_by\_std\_in\_grpo: Dr. GRPO})
 
-    σ is the unbiased std of the group. A group of one has μ = 0, σ = 1, so its row keeps
-    :math:`R_i/(1+\epsilon)` (veRL's convention). Equal rewards in a group give exactly 0.
-    returns = advantages.
+    σ is the unbiased std of the group (``std_scope="group"``), or, with ``std_scope="batch"``, the
+    unbiased std of all B outcome rewards (Flow-GRPO's ``global_std``, which keeps a near-uniform group
+    from having its tiny differences blown up to ±1; a batch of one row gets σ = 1). A group of one has
+    μ = 0 and, with group scope, σ = 1, so its row keeps :math:`R_i/(1+\epsilon)` (veRL's convention).
+    Equal rewards in a group give exactly 0. returns = advantages.
     """
+    if std_scope not in ("group", "batch"):
+        raise ValueError(f"std_scope must be 'group' or 'batch', got {std_scope!r}")
     rewards = _outcome(token_level_rewards, response_mask)
     ids = group_ids(index, rewards.shape[0], rewards.device)
     sizes = group_sizes(ids, rewards.dtype)
     centred = _centred(rewards, ids)
     adv = torch.where(sizes > 1, centred, rewards)
     if norm_adv_by_std_in_grpo:
-        adv = adv / (_group_std(centred, ids, sizes) + epsilon)
+        if std_scope == "group":
+            std = _group_std(centred, ids, sizes)
+        else:
+            std = rewards.std() if rewards.numel() > 1 else torch.ones_like(rewards[0])
+        adv = adv / (std + epsilon)
     adv = _tile(adv, response_mask)
     return adv, adv
 

@@ -87,6 +87,25 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     return value.detach() + (k2 - k2.detach())
 
 
+def gaussian_kl(mean: Tensor, ref_mean: Tensor, std: Tensor | float, reduce: str = "mean") -> Tensor:
+    r"""Closed-form KL between two isotropic Gaussians that share their std, per row.
+
+    .. math:: \mathrm{KL}\big(\mathcal N(\mu, s^2 I)\,\|\,\mathcal N(\mu_{ref}, s^2 I)\big)
+              = \sum_j \frac{(\mu_j - \mu_{ref,j})^2}{2 s^2}
+
+    ``mean``, ``ref_mean``: (B, ...); ``std``: a number, or a tensor broadcastable to them (e.g. (B, 1,
+    ...)). Returns (B,): the sum over the non-batch elements (``reduce="sum"``, the exact KL of the joint
+    distribution) or their mean (``reduce="mean"``, the exact KL divided by the number of elements, on the
+    same per-element scale as a mean-reduced log-probability). The KL of one Flow-GRPO denoising step
+    (both policies N(μ, (σ_t√h)²I)) is this with s = σ_t√h.
+    """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+    per_element = (mean - ref_mean).square() / (2.0 * torch.as_tensor(std, dtype=mean.dtype).square())
+    flat = per_element.reshape(per_element.shape[0], -1)
+    return flat.mean(-1) if reduce == "mean" else flat.sum(-1)
+
+
 class KLController:
     """The KL coefficient β (``.value``) and its checkpointable state; subclasses define ``update``."""
 

@@ -39,7 +39,7 @@ def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
     *,
-    model: torch.nn.Module,
+    model: Any,
     tokenizer: Any,
     state: dict[str, Any],
     keep: int | None = None,
@@ -48,9 +48,11 @@ def save_checkpoint(
 ) -> Path:
     """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints.
 
-    ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as ``save_pretrained`` directories
-    beside ``actor/``. ``write_shards(directory)`` adds files written by other processes (the Ray
-    workers' optimizer shards) inside the temporary directory, so they too appear only when complete.
+    ``model`` is anything with ``save_pretrained(directory)``; ``tokenizer`` may be None for models
+    without one (the flow models). ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as
+    ``save_pretrained`` directories beside ``actor/``. ``write_shards(directory)`` adds files written by
+    other processes (the Ray workers' optimizer shards) inside the temporary directory, so they too
+    appear only when complete.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +63,8 @@ def save_checkpoint(
         tmp.mkdir()
         with quiet_transformers():
             model.save_pretrained(tmp / "actor")
-            tokenizer.save_pretrained(tmp / "actor")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp / "actor")
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
         if write_shards is not None:

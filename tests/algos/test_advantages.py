@@ -28,6 +28,24 @@ def test_grpo_hand_worked():
     assert adv.shape == (3, 3)
 
 
+def test_grpo_batch_std_scope_hand_worked():
+    # Rewards (1, 0 | 1, 1): group means 0.5 and 1; one std over all four rewards, mean 0.75:
+    # sqrt((3·0.0625 + 0.5625)/3) = sqrt(0.25) = 0.5. Group "b" stays exactly 0.
+    r, m = outcome([1.0, 0.0, 1.0, 1.0])
+    index = ["a", "a", "b", "b"]
+    adv, _ = compute_advantage("grpo", token_level_rewards=r, response_mask=m, index=index, std_scope="batch")
+    assert per_row(adv) == pytest.approx([0.5 / (0.5 + EPS), -0.5 / (0.5 + EPS), 0.0, 0.0])
+    # The default (group scope) is unchanged by the new keyword.
+    default, _ = compute_advantage("grpo", token_level_rewards=r, response_mask=m, index=index)
+    group, _ = compute_advantage(
+        "grpo", token_level_rewards=r, response_mask=m, index=index, std_scope="group"
+    )
+    assert torch.equal(default, group)
+    assert per_row(default)[0] == pytest.approx(0.5 / (0.5**0.5 + EPS))
+    with pytest.raises(ValueError, match="std_scope"):
+        compute_advantage("grpo", token_level_rewards=r, response_mask=m, index=index, std_scope="global")
+
+
 def test_dr_grpo_does_not_divide_by_std():
     r, m = outcome([1.0, 0.0, 0.5])
     adv, _ = compute_advantage(

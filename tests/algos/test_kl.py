@@ -144,3 +144,33 @@ def test_make_kl_controller():
         make_kl_controller("adaptive", 0.2)
     with pytest.raises(ValueError, match="unknown KL controller 'pid'"):
         make_kl_controller("pid", 0.2)
+
+
+def test_gaussian_kl_hand_worked():
+    # Row 0: Δμ = (1, 0), s = 0.5: Σ Δμ²/(2s²) = 1/0.5 = 2, mean over 2 elements = 1.
+    # Row 1: Δμ = (2, 2): Σ = (4 + 4)/0.5 = 16, mean 8.
+    from tearless.algos import gaussian_kl
+
+    mean = torch.tensor([[1.0, 0.0], [3.0, 1.0]])
+    ref = torch.tensor([[0.0, 0.0], [1.0, -1.0]])
+    assert gaussian_kl(mean, ref, 0.5, reduce="sum").tolist() == pytest.approx([2.0, 16.0])
+    assert gaussian_kl(mean, ref, 0.5).tolist() == pytest.approx([1.0, 8.0])
+    with pytest.raises(ValueError, match="reduce"):
+        gaussian_kl(mean, ref, 0.5, reduce="max")
+
+
+def test_gaussian_kl_matches_monte_carlo():
+    # KL(p‖q) = E_p[log p(x) − log q(x)], estimated from 200,000 draws of p = N(μ, s²I) in 3 dims.
+    from tearless.algos import gaussian_kl
+
+    g = torch.Generator().manual_seed(0)
+    mu, mu_ref, s = torch.tensor([0.3, -0.2, 0.5]), torch.tensor([0.1, 0.1, 0.0]), 0.4
+    x = mu + s * torch.randn(200_000, 3, generator=g, dtype=torch.float64)
+
+    def log_density(m):
+        return (-((x - m) ** 2) / (2 * s**2) - math.log(s) - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+    mc = (log_density(mu.double()) - log_density(mu_ref.double())).mean().item()
+    exact = gaussian_kl(mu[None], mu_ref[None], s, reduce="sum").item()  # (0.04 + 0.09 + 0.25)/0.32
+    assert exact == pytest.approx(0.38 / 0.32)
+    assert mc == pytest.approx(exact, abs=0.01)
