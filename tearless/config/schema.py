@@ -53,6 +53,19 @@ class ModelConfig:
     tokenizer_path: str | None = doc(None, "tokenizer directory; null = model.path")
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
     dtype: str = doc("float32", "parameter dtype: float32 | bfloat16 | float16 (fp32 on CPU)")
+    share_prompt_forward: bool = doc(
+        True,
+        "forward a prompt once for all its responses in the update and log-prob passes (same maths, "
+        "float rounding differs); single-process placement only",
+    )
+    lora_rank: int = doc(0, "LoRA rank r through peft (0 = full fine-tuning); the reference = adapters off")
+    lora_alpha: float = doc(16, "LoRA scale numerator: the update is (lora_alpha / lora_rank) · B A")
+    target_modules: Any = doc(
+        "all-linear", "layers given adapters: all-linear | a list (or comma-separated: q_proj,v_proj)"
+    )
+    lora_save_merged: bool = doc(
+        False, "with LoRA, checkpoints also hold actor_merged/: the merged model as a plain HF directory"
+    )
 
 
 @dataclass

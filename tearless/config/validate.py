@@ -160,6 +160,7 @@ def validate(cfg: Config) -> None:
     _one_of(
         "actor_rollout_ref.model.dtype", cfg.actor_rollout_ref.model.dtype, ("float32", "bfloat16", "float16")
     )
+    _validate_lora(cfg)
     from tearless.data import TRUNCATION_MODES
 
     _one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
@@ -444,4 +445,53 @@ def _validate_multi_turn(cfg: Config) -> None:
             "null means the embedded multihop task's tools, but model.path and data.train_files are given, "
             "so that task is not built",
             "Point it at a tool YAML for your data.",
+        )
+
+
+def _validate_lora(cfg: Config) -> None:
+    m = cfg.actor_rollout_ref.model
+    if not isinstance(m.lora_rank, int) or isinstance(m.lora_rank, bool) or m.lora_rank < 0:
+        _fail(
+            "actor_rollout_ref.model.lora_rank",
+            f"must be an integer >= 0, got {m.lora_rank!r}",
+            "Use 0 for full fine-tuning or a rank such as 8, 16 or 32.",
+        )
+    if m.lora_rank == 0:
+        if m.lora_save_merged:
+            _fail(
+                "actor_rollout_ref.model.lora_save_merged",
+                "there is no adapter to merge with lora_rank=0",
+                "Set actor_rollout_ref.model.lora_rank > 0 or drop lora_save_merged.",
+            )
+        return
+    from tearless.distributed import uses_ray
+
+    if uses_ray(cfg):
+        _fail(
+            "actor_rollout_ref.model.lora_rank",
+            "LoRA runs in the single-process placement only (the Ray/FSDP workers do not load adapters)",
+            "Set trainer.placement=local (nnodes=1 n_gpus_per_node=1) or lora_rank=0.",
+        )
+    if cfg.actor_rollout_ref.rollout.name != "hf":
+        _fail(
+            "actor_rollout_ref.model.lora_rank",
+            f"the adapters are not synced to the {cfg.actor_rollout_ref.rollout.name} rollout engine",
+            "Use actor_rollout_ref.rollout.name=hf or lora_rank=0.",
+        )
+    _positive("actor_rollout_ref.model.lora_alpha", m.lora_alpha)
+    targets = m.target_modules
+    names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets or [])
+    if not names or not all(isinstance(t, str) and t for t in names):
+        _fail(
+            "actor_rollout_ref.model.target_modules",
+            f"needs all-linear or module names, got {targets!r}",
+            "Use all-linear or names such as q_proj,v_proj.",
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        _fail(
+            "actor_rollout_ref.model.lora_rank",
+            f"lora_rank={m.lora_rank} needs the peft package, which is not installed",
+            "pip install 'tearless[lora]' (or peft), or set lora_rank=0.",
         )

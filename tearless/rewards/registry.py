@@ -36,6 +36,7 @@ _BUILTIN: dict[str, str] = {
     "exact_match": "tearless.rewards.qa_em:compute_score",
     "searchR1_*": "tearless.rewards.qa_em:compute_score",
     "countdown": "tearless.tasks.countdown:compute_score",
+    "long_addition": "tearless.tasks.long_addition:compute_score",
     "knights_knaves": _KK,
     "kk_logic": _KK,  # Logic-RL's name
     "code": _CODE,

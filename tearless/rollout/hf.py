@@ -85,7 +85,6 @@ class HFRollout:
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad_token_id = pad_token_id
 
-    @torch.no_grad()
     def generate(
         self,
         prompts: list[list[int]],
@@ -101,20 +100,53 @@ class HFRollout:
     ) -> RolloutOutput:
         """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
 
+        Each prompt is prefilled once and its KV cache repeated for its ``n`` samples; rows that
+        have emitted EOS leave the decode batch (the cache is compacted once at least a quarter of
+        the batch has finished, so the copy is paid at most a logarithmic number of times); no
+        forward pass runs after the last token.
+
         A response ends at an EOS token or, when ``stop_sequences`` are given, right after it has
         produced one of those token sequences (kept in the response, like an EOS).
         """
-        from transformers import DynamicCache
-
         was_training = self.model.training
         self.model.eval()
         expanded = [p for p in prompts for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
+        try:
+            with torch.inference_mode():
+                tokens, logps, mask, finished = self._decode(
+                    prompts,
+                    n,
+                    max_new_tokens,
+                    temperature,
+                    top_p,
+                    top_k,
+                    do_sample,
+                    generator,
+                    stop_sequences,
+                )
+        finally:
+            self.model.train(was_training)
+        # Outside inference mode, so the tensors can take part in autograd later (as constants).
+        return RolloutOutput(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=tokens.cpu().clone(),
+            response_mask=mask.cpu().clone(),
+            log_probs=logps.cpu().clone(),
+            truncated=~finished.cpu().clone(),
+        )
+
+    def _decode(
+        self, prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, generator, stop_sequences
+    ):
+        """The decode loop: (B, T) tokens, log-probs and mask and the (B,) EOS flags, T ≤ max_new_tokens."""
+        from transformers import DynamicCache
+
         device = next(self.model.parameters()).device
-        ids, attn = prompt_ids.to(device), prompt_mask.to(device)
+        ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
         eos = self.eos.to(device)
         stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
-        batch = ids.shape[0]
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(
@@ -125,11 +157,22 @@ class HFRollout:
             use_cache=True,
             logits_to_keep=1,
         )
-        next_pos = positions[:, -1:] + 1
-        tokens, logps, masks = [], [], []
+        logits = out.logits[:, -1, :].float()
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            attn = attn.repeat_interleave(n, dim=0)
+            positions = positions.repeat_interleave(n, dim=0)
+        batch = attn.shape[0]
+        tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
+        logps = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
-            logits = out.logits[:, -1, :].float()
+        rows = torch.arange(batch, device=device)  # the output row of each decode-batch row
+        live = torch.ones(batch, dtype=torch.bool, device=device)
+        next_pos = positions[:, -1:] + 1
+        width = 0
+        for t in range(max_new_tokens):
             if do_sample:
                 scaled = logits / temperature
                 probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
@@ -138,40 +181,43 @@ class HFRollout:
                 scaled = logits / temperature if temperature > 0 else logits
                 tok = scaled.argmax(-1)
             logp = logprobs_from_logits(scaled, tok)
-            alive = ~finished
-            tokens.append(torch.where(alive, tok, self.pad_token_id))
-            logps.append(torch.where(alive, logp, 0.0))
-            masks.append(alive.long())
-            finished = finished | torch.isin(tok, eos) | _ends_with_stop(tokens, stops)
-            if bool(finished.all()):
+            out_rows = rows[live]
+            tokens[out_rows, t] = tok[live]
+            logps[out_rows, t] = logp[live]
+            mask[out_rows, t] = 1
+            width = t + 1
+            done = live & (torch.isin(tok, eos) | _ends_with_stop(tokens, rows, t, stops))
+            finished[rows[done]] = True
+            live = live & ~done
+            alive = int(live.sum())
+            if alive == 0 or t == max_new_tokens - 1:
                 break
-            attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype, device=device)], dim=1)
+            if alive <= 0.75 * len(rows):
+                keep = live.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
+                live = torch.ones(len(keep), dtype=torch.bool, device=device)
+            attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
             out = self.model(
-                input_ids=tokens[-1][:, None],
+                input_ids=torch.where(live, tok, self.pad_token_id)[:, None],
                 attention_mask=attn,
                 position_ids=next_pos,
                 past_key_values=cache,
                 use_cache=True,
             )
+            logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        self.model.train(was_training)
-        response_mask = torch.stack(masks, 1).cpu()
-        return RolloutOutput(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=torch.stack(tokens, 1).cpu(),
-            response_mask=response_mask,
-            log_probs=torch.stack(logps, 1).cpu(),
-            truncated=~finished.cpu(),
-        )
+        return tokens[:, :width], logps[:, :width], mask[:, :width], finished
 
 
-def _ends_with_stop(tokens: list[torch.Tensor], stops: list[torch.Tensor]) -> torch.Tensor:
-    """(B,) True where the tokens generated so far end with one of the ``stops`` sequences."""
-    hit = torch.zeros_like(tokens[-1], dtype=torch.bool)
+def _ends_with_stop(
+    tokens: torch.Tensor, rows: torch.Tensor, t: int, stops: list[torch.Tensor]
+) -> torch.Tensor:
+    """(len(rows),) True where output rows ``rows`` of ``tokens`` end at column ``t`` with a stop sequence."""
+    hit = torch.zeros(len(rows), dtype=torch.bool, device=tokens.device)
     for stop in stops:
-        if len(stop) <= len(tokens):
-            hit |= (torch.stack(tokens[-len(stop) :], 1) == stop).all(-1)
+        if len(stop) <= t + 1:
+            hit |= (tokens[rows, t + 1 - len(stop) : t + 1] == stop).all(-1)
     return hit
 
 

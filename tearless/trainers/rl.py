@@ -38,7 +38,7 @@ from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
-from tearless.workers.actor import Actor, LogProbWorker, reward_kl
+from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, reward_kl
 from tearless.workers.critic import Critic, critic_settings, critic_value_stats, explained_variance
 
 
@@ -125,17 +125,20 @@ class RLTrainer:
         self.batches_consumed = 0
         self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
         self.start_step, resume_dir = self._find_resume()
-        self.model = load_causal_lm(
-            resume_dir / "actor" if resume_dir else model_path,
-            dtype=arr.model.dtype,
-            gradient_checkpointing=arr.model.enable_gradient_checkpointing,
-        ).to(self.device)
+        self.model = self._load_actor_model(model_path, resume_dir)
         self.workers = None
         if uses_ray(cfg):
             self._start_workers(model_path, resume_dir)
         else:
             self.ref = None
-            if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            if (arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and arr.model.lora_rank > 0:
+                self.ref = AdapterOffLogProbWorker(
+                    self.model,
+                    temperature=arr.rollout.temperature,
+                    micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                    share_prompts=arr.model.share_prompt_forward,
+                )
+            elif arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
                 ref_model = (
                     load_causal_lm(model_path, dtype=arr.model.dtype).to(self.device).requires_grad_(False)
                 )
@@ -143,6 +146,7 @@ class RLTrainer:
                     ref_model,
                     temperature=arr.rollout.temperature,
                     micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                    share_prompts=arr.model.share_prompt_forward,
                 )
             self.actor = Actor(
                 self.model,
@@ -151,6 +155,7 @@ class RLTrainer:
                 temperature=arr.rollout.temperature,
                 total_steps=self.total_steps,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                share_prompts=arr.model.share_prompt_forward,
             )
             self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
         eos = {self.tokenizer.eos_token_id}
@@ -242,6 +247,31 @@ class RLTrainer:
             for p, info in zip([p for p in prompts for _ in range(n)], res.rows, strict=True)
         ]
         return res.out, items, res.metrics
+
+    def _load_actor_model(self, model_path: str, resume_dir: Path | None) -> torch.nn.Module:
+        """The actor's model: the checkpoint's or ``model.path``'s weights, with LoRA adapters (new,
+        or the checkpoint's) when ``model.lora_rank > 0``."""
+        m = self.cfg.actor_rollout_ref.model
+        if m.lora_rank <= 0:
+            path = resume_dir / "actor" if resume_dir else model_path
+            return load_causal_lm(
+                path, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing
+            ).to(self.device)
+        from tearless.models.lora import add_lora, load_lora
+
+        base = load_causal_lm(
+            model_path, dtype=m.dtype, gradient_checkpointing=m.enable_gradient_checkpointing
+        ).to(self.device)
+        if resume_dir:
+            gc = m.enable_gradient_checkpointing
+            return load_lora(base, resume_dir / "actor", gradient_checkpointing=gc)
+        return add_lora(
+            base,
+            rank=m.lora_rank,
+            alpha=m.lora_alpha,
+            target_modules=m.target_modules,
+            gradient_checkpointing=m.enable_gradient_checkpointing,
+        )
 
     def _make_critic(self, model_path: str, resume_dir: Path | None) -> Critic:
         """The value model (from the checkpoint, critic.model.path or the actor's weights) and its worker,
@@ -373,6 +403,11 @@ class RLTrainer:
                 state["critic_skipped_steps"] = self.critic.skipped_steps
         if self.critic is not None:
             extra["critic"] = self.critic.model
+        model_cfg = self.cfg.actor_rollout_ref.model
+        if model_cfg.lora_rank > 0 and model_cfg.lora_save_merged:
+            from tearless.models.lora import MergedLoraView
+
+            extra["actor_merged"] = MergedLoraView(self.model, self.tokenizer)
         return ckpt.save_checkpoint(
             self.run_dir,
             step,

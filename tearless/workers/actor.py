@@ -10,6 +10,7 @@ skips the step and is counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
 
@@ -67,10 +68,18 @@ def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: floa
 class LogProbWorker:
     """Forward-only log-probs of responses (the reference policy, or the actor's old log-probs)."""
 
-    def __init__(self, model: torch.nn.Module, *, temperature: float, micro_batch_size: int | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        temperature: float,
+        micro_batch_size: int | None = None,
+        share_prompts: bool = True,
+    ):
         self.model = model
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
+        self.share_prompts = share_prompts
 
     def forward(self, mb: TensorDict, *, with_entropy: bool | str = False):
         """Log-probs (and entropy) of one micro-batch's responses, with gradient if enabled."""
@@ -82,21 +91,41 @@ class LogProbWorker:
             attention_mask(mb),
             temperature=self.temperature,
             with_entropy=with_entropy,
+            share_prompts=self.share_prompts,
         )
 
-    @torch.no_grad()
     def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
-        """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches."""
+        """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches.
+
+        The forwards run under ``torch.inference_mode`` (no autograd bookkeeping at all); the results
+        are copied out of it so that they can enter a loss later as constants.
+        """
         was_training = self.model.training
         self.model.eval()
         outs, ents = [], []
-        for mb in micro_batches(td, size=self.micro_batch_size):
-            lp, ent = self.forward(mb, with_entropy=with_entropy)
-            outs.append(lp.cpu())
-            if ent is not None:
-                ents.append(ent.cpu())
-        self.model.train(was_training)
-        return torch.cat(outs), (torch.cat(ents) if ents else None)
+        try:
+            with torch.inference_mode(), self.forward_context():
+                for mb in micro_batches(td, size=self.micro_batch_size):
+                    lp, ent = self.forward(mb, with_entropy=with_entropy)
+                    outs.append(lp.cpu())
+                    if ent is not None:
+                        ents.append(ent.cpu())
+        finally:
+            self.model.train(was_training)
+        return torch.cat(outs).clone(), (torch.cat(ents).clone() if ents else None)
+
+    def forward_context(self):
+        """The context the forwards of :meth:`compute_log_prob` run in (a no-op here; the LoRA
+        reference disables the adapters)."""
+        return contextlib.nullcontext()
+
+
+class AdapterOffLogProbWorker(LogProbWorker):
+    """The reference policy of a LoRA actor: the actor's own model with its adapters disabled,
+    π_ref = π_W with W the frozen base weights (no second copy of them)."""
+
+    def forward_context(self):
+        return self.model.disable_adapter()
 
 
 class Actor(LogProbWorker):
@@ -111,8 +140,14 @@ class Actor(LogProbWorker):
         temperature: float,
         total_steps: int,
         log_prob_micro_batch_size: int | None = None,
+        share_prompts: bool = True,
     ):
-        super().__init__(model, temperature=temperature, micro_batch_size=log_prob_micro_batch_size)
+        super().__init__(
+            model,
+            temperature=temperature,
+            micro_batch_size=log_prob_micro_batch_size,
+            share_prompts=share_prompts,
+        )
         self.cfg = cfg
         self.rollout_n = rollout_n
         self.params = [p for p in model.parameters() if p.requires_grad]

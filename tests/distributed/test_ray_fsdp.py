@@ -87,6 +87,9 @@ def args(task, run_dir, *extra):
         f"trainer.total_training_steps={STEPS}",
         "trainer.save_freq=1",
         "trainer.num_threads=1",
+        # The workers never share prompt forwards; the single-process reference must do the same sums
+        # for the 1e-6 comparison (sharing is the same maths with different rounding).
+        "actor_rollout_ref.model.share_prompt_forward=false",
         f"trainer.worker_timeout_s={TIMEOUT_S}",
         *extra,
     ]

@@ -103,3 +103,58 @@ def test_entropy_has_gradient_only_when_asked(model):
     _, grad = response_logprobs(model, ids, one, ids, one, with_entropy="grad")
     lp, none = response_logprobs(model, ids, one, ids, one)
     assert not plain.requires_grad and grad.requires_grad and lp.requires_grad and none is None
+
+
+def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwards(model):
+    # Two prompts (5 and 8 tokens) with three responses each (lengths 1-6), rows of a prompt adjacent
+    # as the sampler lays them out: the prompt pass runs once per prompt and is repeated. Reference:
+    # each row forwarded on its own (nothing to share). In a float64 model, so that tolerances check
+    # the maths rather than rounding; even so the log-softmax runs in float32 (the log-prob contract)
+    # and transformers keeps the rotary tables in float32, so gradient entries agree to ~1e-7 of the
+    # largest one (measured 1e-7), not to float64 precision.
+    import copy
+
+    from tearless.models.logprobs import shared_prompt_runs
+
+    model = copy.deepcopy(model).double()
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, 100, (5,), generator=g), torch.randint(10, 100, (8,), generator=g)]
+    lengths = [[3, 6, 2], [4, 1, 5]]
+    rows = [(p, torch.randint(10, 100, (n,), generator=g)) for p, ns in zip(prompts, lengths, strict=True)
+            for n in ns]  # fmt: skip
+    prompt_ids = torch.zeros(6, 8, dtype=torch.long)
+    prompt_mask = torch.zeros(6, 8, dtype=torch.long)
+    response_ids = torch.zeros(6, 6, dtype=torch.long)
+    response_mask = torch.zeros(6, 6, dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        prompt_ids[i, 8 - len(p) :], prompt_mask[i, 8 - len(p) :] = p, 1
+        response_ids[i, : len(r)], response_mask[i, : len(r)] = r, 1
+    assert shared_prompt_runs(prompt_ids, prompt_mask).tolist() == [3, 3]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def loss_and_grads(lp, mask):
+        loss = (lp * mask).sum()
+        return lp.detach(), torch.autograd.grad(loss, params)
+
+    shared, shared_grads = loss_and_grads(
+        response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=0.9)[0],
+        response_mask,
+    )
+    separate = []
+    total_grads = [torch.zeros_like(p) for p in params]
+    for i in range(6):
+        lp, grads = loss_and_grads(
+            response_logprobs(
+                model, prompt_ids[i : i + 1], prompt_mask[i : i + 1], response_ids[i : i + 1],
+                response_mask[i : i + 1], temperature=0.9,
+            )[0],
+            response_mask[i : i + 1],
+        )  # fmt: skip
+        separate.append(lp)
+        total_grads = [t + g_ for t, g_ in zip(total_grads, grads, strict=True)]
+    mask = response_mask.bool()
+    torch.testing.assert_close(shared[mask], torch.cat(separate)[mask], atol=1e-9, rtol=0)
+    for a, b in zip(shared_grads, total_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6 * float(b.abs().max()), rtol=0)
+    assert sum(float(t.abs().sum()) for t in shared_grads) > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -192,3 +193,32 @@ def test_filter_logits_top_p_by_hand():
     both = filter_logits(logits, top_k=3, top_p=0.9)
     # After top-3 the mass renormalises to 0.5/0.95, 0.3/0.95, 0.15/0.95: mass before is 0, 0.53, 0.84.
     assert torch.isfinite(both).tolist() == [True, True, False, True]
+
+
+def test_each_prompt_is_prefilled_once_finished_rows_leave_the_batch_and_no_forward_follows_the_end(setup):
+    _, model, prompts, rollout = setup
+    batch_sizes, widths = [], []
+
+    def record(module, args, kwargs):
+        batch_sizes.append(kwargs["input_ids"].shape[0])
+        widths.append(kwargs["input_ids"].shape[1])
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = rollout.generate(prompts, n=3, max_new_tokens=16, do_sample=False)
+    finally:
+        handle.remove()
+    # One prefill of the 8 distinct prompts (not 24 copies), then one-token forwards.
+    assert batch_sizes[0] == 8 and widths[0] == max(len(p) for p in prompts)
+    assert set(widths[1:]) == {1}
+    # A forward for every token but the last: the width of the response, not one more.
+    assert len(batch_sizes) == out.response_ids.shape[1]
+    # Rows that finished left: the decode batch only shrinks, and ends smaller than 24.
+    decode = batch_sizes[1:]
+    assert decode[0] == 24 and all(a >= b for a, b in itertools.pairwise(decode))
+    assert decode[-1] < 24
+    # … and the answers are still every prompt's own greedy answer, n times over.
+    alone = rollout.generate(prompts, n=1, max_new_tokens=16, do_sample=False)
+    width = out.response_ids.shape[1]
+    assert out.response_ids.tolist() == alone.response_ids[:, :width].repeat_interleave(3, 0).tolist()
+    assert out.response_mask.sum(-1).tolist() == alone.response_mask.sum(-1).repeat_interleave(3).tolist()

@@ -1,0 +1,290 @@
+"""tearless against TRL's ``GRPOTrainer``, side by side: seconds per step and held-out accuracy.
+
+Both frameworks get the same model files, prompts (in file order, no shuffling), reward function,
+hyper-parameters, seed and torch thread count; each run is a fresh process, and the frameworks
+alternate (tearless, TRL, tearless, TRL, …) so that a change in the machine's load hits both.
+Every run trains ``--steps`` GRPO steps from the same starting model; its first step is a warm-up
+and is left out of the timings. Accuracy is measured afterwards by one shared routine (tearless's
+greedy decode loop and the task's scorer) on the first ``--eval-prompts`` held-out prompts.
+
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --case small --steps 6 --rounds 3
+    OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --case medium --steps 3 --rounds 2
+
+Settings shared by both (see BENCHMARKS.md for the mapping of every key): GRPO advantages
+normalised by the group's std, token-mean loss (TRL ``loss_type="dapo"``), clip ε = 0.2, one
+iteration per generation (on-policy: no old-log-prob pass in either), AdamW (β 0.9/0.999, weight
+decay 0.01), constant lr, gradient-norm clip 1.0, temperature 1, no top-k/top-p, float32, no
+gradient checkpointing; the KL term (medium only) is k3 against the starting model, β = 0.04.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import Case, load_prompts, make_case
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def score(case: Case, text: str, row: dict) -> dict:
+    from tearless.rewards import compute_score
+
+    out = compute_score(case.data_source, text, row["reward_model"]["ground_truth"], row["extra_info"])
+    return out if isinstance(out, dict) else {"score": float(out), "acc": float(out >= 1.0)}
+
+
+def evaluate(case: Case, model: torch.nn.Module, tokenizer, num: int) -> dict[str, float]:
+    """Greedy held-out accuracy and mean score of ``model`` on the case's first ``num`` test prompts."""
+    from tearless.rollout.hf import HFRollout
+
+    rows = load_prompts(case, tokenizer, split="test")[:num]
+    rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    prompts = [r["input_ids"] for r in rows]
+    out = rollout.generate(prompts, max_new_tokens=case.max_new_tokens, do_sample=False)
+    texts = [
+        tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(out.response_ids, out.response_mask, strict=True)
+    ]
+    results = [score(case, t, r) for t, r in zip(texts, rows, strict=True)]
+    return {
+        "acc": sum(r["acc"] for r in results) / len(results),
+        "score": sum(r["score"] for r in results) / len(results),
+    }
+
+
+def tearless_overrides(case: Case, run_dir: str, steps: int, seed: int, threads: int) -> list[str]:
+    kl = case.beta > 0
+    return [
+        f"actor_rollout_ref.model.path={case.model_dir}",
+        f"data.train_files={case.train_file}",
+        f"data.val_files={case.val_file}",
+        f"trainer.default_local_dir={run_dir}",
+        f"data.train_batch_size={case.prompts_per_step}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={case.prompts_per_step}",
+        f"actor_rollout_ref.rollout.n={case.n}",
+        f"data.max_response_length={case.max_new_tokens}",
+        "actor_rollout_ref.rollout.temperature=1.0",
+        f"actor_rollout_ref.actor.optim.lr={case.lr}",
+        "actor_rollout_ref.actor.optim.weight_decay=0.01",
+        "actor_rollout_ref.actor.grad_clip=1.0",
+        "actor_rollout_ref.actor.clip_ratio=0.2",
+        "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+        "algorithm.adv_estimator=grpo",
+        f"actor_rollout_ref.actor.use_kl_loss={str(kl).lower()}",
+        f"actor_rollout_ref.actor.kl_loss_coef={case.beta}",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "data.shuffle=false",
+        "reward_model.num_workers=0",
+        "trainer.num_rollout_samples=0",
+        "trainer.logger=[jsonl]",
+        f"trainer.total_training_steps={steps}",
+        f"trainer.seed={seed}",
+        f"trainer.num_threads={threads}",
+    ]
+
+
+def run_tearless(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
+    from tearless.config import load_config
+    from tearless.trainers.rl import RLTrainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load_config(None, tearless_overrides(case, tmp, steps, seed, threads))
+        trainer = RLTrainer(cfg, log=lambda _: None)
+        trainer.run_dir.mkdir(parents=True, exist_ok=True)
+        times, rss, phases = [], [], []
+        try:
+            for step in range(1, steps + 1):
+                start = time.perf_counter()
+                metrics = trainer.train_step(step)
+                times.append(time.perf_counter() - start)
+                rss.append(peak_rss_mb())
+                phases.append({k: v for k, v in metrics.items() if k.startswith("timing_s/")})
+        finally:
+            trainer.reward.close()
+        result = evaluate(case, trainer.model, trainer.tokenizer, eval_prompts)
+    return {"step_s": times, "peak_rss_mb": rss, "phases": phases, **result}
+
+
+def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tearless.data import load_many
+    from tearless.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(case.model_dir)
+    rows = load_many(case.train_file)[: steps * case.prompts_per_step]
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "ground_truth": r["reward_model"]["ground_truth"],
+                "extra_info": json.dumps(r["extra_info"]),
+            }
+            for r in rows
+        ]
+    )
+
+    def reward(prompts, completions, ground_truth, extra_info, **_):
+        return [
+            score(case, c[0]["content"], {"reward_model": {"ground_truth": g}, "extra_info": json.loads(e)})[
+                "score"
+            ]
+            for c, g, e in zip(completions, ground_truth, extra_info, strict=True)
+        ]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.rss: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.start)
+            self.rss.append(peak_rss_mb())
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp,
+            per_device_train_batch_size=case.prompts_per_step * case.n,
+            gradient_accumulation_steps=1,
+            num_generations=case.n,
+            max_completion_length=case.max_new_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            learning_rate=case.lr,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.01,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            max_grad_norm=1.0,
+            beta=case.beta,
+            loss_type="dapo",  # token-mean over the whole batch, as tearless's token-mean
+            scale_rewards="group",
+            epsilon=0.2,
+            num_iterations=1,
+            use_vllm=False,
+            gradient_checkpointing=False,
+            bf16=False,
+            fp16=False,
+            use_cpu=True,
+            max_steps=steps,
+            shuffle_dataset=False,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            seed=seed,
+            dataloader_num_workers=0,
+            disable_dropout=True,
+            model_init_kwargs={"dtype": "float32"},
+        )
+        torch.set_num_threads(threads)
+        trainer = GRPOTrainer(
+            model=case.model_dir,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[timer],
+        )
+        torch.set_num_threads(threads)
+        trainer.train()
+        result = evaluate(case, trainer.model, tokenizer, eval_prompts)
+    return {"step_s": timer.times, "peak_rss_mb": timer.rss, **result}
+
+
+def worker(args) -> None:
+    torch.set_num_threads(args.threads)
+    case = make_case(args.case)
+    run = run_tearless if args.worker == "tearless" else run_trl
+    result = run(case, args.steps, args.seed, args.threads, args.eval_prompts)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=["small", "medium"], default="small")
+    ap.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is a warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternations of tearless and TRL")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--eval-prompts", type=int, default=100)
+    ap.add_argument("--worker", choices=["tearless", "trl"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    make_case(args.case)  # build the files once, outside the timed runs
+    runs: dict[str, list[dict]] = {"tearless": [], "trl": []}
+    for r in range(args.rounds):
+        for name in ("tearless", "trl"):
+            load = load_average()
+            cmd = [sys.executable, __file__, "--worker", name, "--case", args.case]
+            cmd += ["--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]
+            cmd += ["--eval-prompts", str(args.eval_prompts)]
+            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"{name} run failed:\n{proc.stderr[-4000:]}")
+            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+            result = json.loads(line[len("RESULT ") :])
+            result["load_before"] = load
+            result["load_after"] = load_average()
+            runs[name].append(result)
+            steady = result["step_s"][1:]
+            each = ", ".join(f"{t:.2f}" for t in result["step_s"])
+            print(
+                f"round {r + 1} {name:8s}: median {statistics.median(steady):.3f} s/step "
+                f"(steps {each}), held-out acc {result['acc']:.3f} "
+                f"score {result['score']:.3f}, peak RSS {max(result['peak_rss_mb']):.0f} MiB, "
+                f"load {load:.2f} -> {result['load_after']:.2f}",
+                flush=True,
+            )
+    med = {k: statistics.median(t for run in v for t in run["step_s"][1:]) for k, v in runs.items()}
+    report = {
+        "case": args.case,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {args.threads} thread(s)",
+        "median_s_per_step": med,
+        "ratio_trl_over_tearless": med["trl"] / med["tearless"],
+        # Each round's two runs ran back to back under about the same load: their ratio is the
+        # fairer comparison when the load drifts between rounds.
+        "ratio_per_round": [
+            statistics.median(b["step_s"][1:]) / statistics.median(a["step_s"][1:])
+            for a, b in zip(runs["tearless"], runs["trl"], strict=True)
+        ],
+        "held_out_acc": {k: [run["acc"] for run in v] for k, v in runs.items()},
+        "held_out_score": {k: [run["score"] for run in v] for k, v in runs.items()},
+        "peak_rss_mb": {k: max(max(run["peak_rss_mb"]) for run in v) for k, v in runs.items()},
+        "load_average": [run["load_before"] for v in runs.values() for run in v],
+    }
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

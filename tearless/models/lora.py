@@ -1,0 +1,140 @@
+r"""LoRA through ``peft``: adapters on the actor, the reference as the same weights with them off.
+
+A LoRA layer computes :math:`y = W x + \frac{\alpha}{r} B A x` with the base weight :math:`W` frozen
+and only :math:`A` (r × in) and :math:`B` (out × r, initialised to zero) trained. The reference policy
+of the KL term is :math:`\pi_{W}`, i.e. the actor with the adapters disabled, so no second copy of the
+model is held; the optimizer holds moments for the adapters only.
+
+Checkpoints write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
+``peft.PeftModel.from_pretrained`` on the base model) and, on request, the merged model
+:math:`W + \frac{\alpha}{r} B A` as a plain ``save_pretrained`` directory, computed without touching
+the live weights (merging in place and back would leave rounding drift in :math:`W`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _peft(key: str):
+    try:
+        import peft
+    except ImportError:
+        raise ImportError(
+            f"{key} > 0 needs the peft package: pip install 'tearless[lora]' (or pip install peft), "
+            "or set it to 0 for full fine-tuning"
+        ) from None
+    return peft
+
+
+def target_modules_arg(target_modules: Any) -> str | list[str]:
+    """``all-linear`` (every linear layer but the output head, peft's meaning) or a list of module names.
+
+    A comma-separated string (``q_proj,v_proj``, as given on a command line) becomes a list.
+    """
+    if isinstance(target_modules, str):
+        if target_modules == "all-linear":
+            return target_modules
+        return [m.strip() for m in target_modules.split(",") if m.strip()]
+    return [str(m) for m in target_modules]
+
+
+def add_lora(
+    model: torch.nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: Any,
+    gradient_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """Wrap ``model`` in a peft LoRA model (rank ``rank``, scale ``alpha / rank``, no dropout).
+
+    Every base parameter is frozen; only the adapters require gradients.
+    """
+    peft = _peft("actor_rollout_ref.model.lora_rank")
+    config = peft.LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=target_modules_arg(target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as err:
+        raise ValueError(
+            f"actor_rollout_ref.model.target_modules={target_modules!r}: {err} Use all-linear or names "
+            "of the model's linear layers (for Llama/Qwen: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
+            "down_proj)"
+        ) from None
+    if gradient_checkpointing:
+        # With frozen embeddings nothing entering a checkpointed block requires grad, and the
+        # recomputed blocks would get no gradient at all.
+        wrapped.enable_input_require_grads()
+    return wrapped
+
+
+def load_lora(base: torch.nn.Module, adapter_dir: str | os.PathLike, *, gradient_checkpointing: bool = False):
+    """The base model with a saved adapter loaded, trainable (to resume a LoRA run)."""
+    peft = _peft("actor_rollout_ref.model.lora_rank")
+    model = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    if gradient_checkpointing:
+        model.enable_input_require_grads()
+    return model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    r"""The base model's state dict with every LoRA layer's weight replaced by :math:`W + \Delta W`.
+
+    Keys are those of the plain base model (``model.layers.0.self_attn.q_proj.weight``), so the
+    result loads into ``AutoModelForCausalLM`` directly.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    merged: dict[str, torch.Tensor] = {}
+    lora_prefixes = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            lora_prefixes[name] = module
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        merged[key.replace(".base_layer.", ".")] = value.detach()  # tied weights stay shared
+    for name, module in lora_prefixes.items():
+        delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
+        merged[f"{name}.weight"] = (module.base_layer.weight + delta).detach()
+    return merged
+
+
+class MergedLoraView:
+    """Something with ``save_pretrained(path)`` that writes the merged model and its tokenizer, for
+    :func:`tearless.trainers.checkpoint.save_checkpoint`'s ``extra_models``."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
+        self.model, self.tokenizer = model, tokenizer
+
+    @torch.no_grad()
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        base = self.model.get_base_model()
+        base.save_pretrained(Path(path), state_dict=merged_state_dict(self.model))
+        self.tokenizer.save_pretrained(Path(path))
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), total

@@ -1,0 +1,137 @@
+"""LoRA through peft: only adapters train, the reference is the base model with adapters off (no
+second copy), the merged checkpoint equals the adapted model, and LoRA GRPO learns end to end."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tearless.config.schema import ActorConfig
+from tearless.models.loading import load_causal_lm
+from tearless.models.lora import MergedLoraView, add_lora, trainable_parameters
+from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker
+from tests.workers.test_actor import build_batch
+
+
+@pytest.fixture(scope="module")
+def base_and_batch(task):
+    return build_batch(task.model_dir)
+
+
+def lora_copy(base, rank=4, seed=0):
+    """The base model with rank-``rank`` adapters on every linear layer, B set to non-zero values
+    (peft starts B at zero, which would make every comparison below trivially pass)."""
+    model = add_lora(copy.deepcopy(base), rank=rank, alpha=2 * rank, target_modules="all-linear")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_only_adapters_require_grad_and_every_linear_layer_has_one(base_and_batch):
+    base, _ = base_and_batch
+    model = lora_copy(base)
+    trainable, total = trainable_parameters(model)
+    # The tiny Llama: hidden 128, 2 layers, SwiGLU 384; 7 linear layers per block.
+    # Rank 4 adds 4·(in + out) per layer: q,k,v,o 4·256 each, gate/up 4·(128+384), down 4·(384+128).
+    per_block = 4 * 4 * 256 + 3 * 4 * (128 + 384)
+    assert trainable == 2 * per_block
+    assert total == sum(p.numel() for p in base.parameters()) + trainable
+    assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_reference_log_probs_are_the_base_models_and_the_adapters_come_back_on(base_and_batch):
+    base, td = base_and_batch
+    model = lora_copy(base)
+    base_lp, _ = LogProbWorker(base, temperature=1.0).compute_log_prob(td)
+    ref = AdapterOffLogProbWorker(model, temperature=1.0)
+    actor_view = LogProbWorker(model, temperature=1.0)
+    on_before, _ = actor_view.compute_log_prob(td)
+    ref_lp, _ = ref.compute_log_prob(td)
+    on_after, _ = actor_view.compute_log_prob(td)
+    mask = td["response_mask"].bool()
+    # Disabled adapters skip the LoRA branch entirely: the same ops as the base model.
+    torch.testing.assert_close(ref_lp[mask], base_lp[mask], atol=1e-6, rtol=0)
+    # With the (non-zero) adapters on, the policy is a different one …
+    assert (on_before[mask] - base_lp[mask]).abs().max() > 1e-2
+    # … and disabling them for the reference pass leaves them on afterwards.
+    assert on_after.equal(on_before)
+    assert ref.model is model  # one set of weights
+
+
+def test_an_update_changes_only_the_adapters(base_and_batch):
+    base, td = base_and_batch
+    model = lora_copy(base)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    cfg = ActorConfig(ppo_mini_batch_size=8, use_kl_loss=True)
+    cfg.optim.lr = 1e-2
+    actor = Actor(model, cfg, rollout_n=4, temperature=1.0, total_steps=1)
+    assert sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"]) == sum(
+        v.numel() for v in adapters.values()
+    )
+    metrics = actor.update_policy(td)
+    assert metrics["actor/grad_norm"] > 0
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert p.equal(frozen[n]), n
+    changed = [n for n, p in model.named_parameters() if n in adapters and not p.equal(adapters[n])]
+    assert len(changed) == len(adapters)
+
+
+def test_the_merged_model_loads_alone_and_equals_the_adapted_model(base_and_batch, task, tmp_path):
+    from tearless.models.loading import load_tokenizer
+
+    base, td = base_and_batch
+    model = lora_copy(base)
+    MergedLoraView(model, load_tokenizer(task.model_dir)).save_pretrained(tmp_path / "merged")
+    merged = load_causal_lm(tmp_path / "merged")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    want, _ = LogProbWorker(model, temperature=1.0).compute_log_prob(td)
+    got, _ = LogProbWorker(merged, temperature=1.0).compute_log_prob(td)
+    mask = td["response_mask"].bool()
+    torch.testing.assert_close(got[mask], want[mask], atol=1e-4, rtol=0)
+    # The live base weights were not touched by the merge.
+    lp_base, _ = LogProbWorker(base, temperature=1.0).compute_log_prob(td)
+    ref_lp, _ = AdapterOffLogProbWorker(model, temperature=1.0).compute_log_prob(td)
+    torch.testing.assert_close(ref_lp[mask], lp_base[mask], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_lora_grpo_learns_checkpoints_the_adapter_and_merged_model_and_resumes(task, overrides, tmp_path):
+    from tearless import train
+    from tearless.trainers.tracking import read_metrics
+
+    run_dir = tmp_path / "run"
+    lora = [
+        "actor_rollout_ref.model.lora_rank=16",
+        "actor_rollout_ref.model.lora_alpha=32",
+        "actor_rollout_ref.model.lora_save_merged=true",
+        "actor_rollout_ref.actor.optim.lr=2e-3",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "data.train_batch_size=32",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+        "trainer.save_freq=5",
+        "trainer.num_threads=1",
+    ]
+    first = train(None, overrides(run_dir, *lora, "trainer.total_training_steps=5"), log=lambda _: None)
+    actor_dir = run_dir / "global_step_5" / "actor"
+    assert (actor_dir / "adapter_config.json").is_file()
+    assert not (actor_dir / "model.safetensors").exists()  # the adapter only, not a full copy
+    assert json.loads((actor_dir / "adapter_config.json").read_text())["r"] == 16
+    assert (run_dir / "global_step_5" / "actor_merged" / "model.safetensors").is_file()
+    resumed = train(None, overrides(run_dir, *lora, "trainer.total_training_steps=10"), log=lambda _: None)
+    assert resumed["start_step"] == 5
+    steps = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["step"] > 0]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    # The reference is the base model: the KL to it starts at 0 and grows as the adapters learn.
+    assert steps[0]["actor/kl_loss"] < 1e-6 < steps[-1]["actor/kl_loss"]
+    key = "val-core/arithmetic/acc/greedy"
+    before, after = first["before"][key], resumed["after"][key]
+    assert after >= before + 0.1, (before, after)
