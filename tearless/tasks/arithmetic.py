@@ -32,10 +32,10 @@ def make_problem(rng, max_operand: int = 99) -> tuple[int, int]:
     return rng.randint(0, max_operand), rng.randint(0, max_operand)
 
 
-def to_row(a: int, b: int, split: str, index: int) -> dict:
-    """A veRL-schema row for ``a+b``."""
+def to_row(a: int, b: int, split: str, index: int, *, data_source: str = DATA_SOURCE) -> dict:
+    """A veRL-schema row for ``a+b`` (also the long_addition task's, under its ``data_source``)."""
     return {
-        "data_source": DATA_SOURCE,
+        "data_source": data_source,
         "prompt": [{"role": "user", "content": f"{a}+{b}="}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": str(a + b)},

@@ -19,6 +19,8 @@ import random
 import re
 from typing import Any
 
+from tearless.tasks.arithmetic import to_row
+
 DATA_SOURCE = "long_addition"
 DIGITS = 5
 _FINAL = re.compile(r"=\s*(\d+)\s*$")
@@ -50,17 +52,6 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
     return {"score": 0.5 * similarity + 0.5 * float(right), "acc": float(right), "similarity": similarity}
 
 
-def to_row(a: int, b: int, split: str, index: int) -> dict:
-    """A veRL-schema row for ``a+b``."""
-    return {
-        "data_source": DATA_SOURCE,
-        "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-        "extra_info": {"split": split, "index": index, "a": a, "b": b},
-    }
-
-
 def generate_rows(
     num: int, *, seed: int, split: str, exclude: set[tuple[int, int]] | None = None
 ) -> list[dict]:
@@ -74,5 +65,5 @@ def generate_rows(
         if (a, b) in seen:
             continue
         seen.add((a, b))
-        rows.append(to_row(a, b, split, len(rows)))
+        rows.append(to_row(a, b, split, len(rows), data_source=DATA_SOURCE))
     return rows
