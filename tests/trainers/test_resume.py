@@ -48,8 +48,15 @@ REWARD_FILE = textwrap.dedent(
 
 
 def comparable(record: dict) -> dict:
-    """A metrics record without wall-clock numbers."""
-    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/"))}
+    """A metrics record without wall-clock numbers, and with the sampler-vs-trainer log-prob mismatch
+    (``rollout_corr/``, ~1e-8 here) rounded: the decode loop's one-row matmuls split their reductions
+    by thread count, so the crashed run's subprocess and this process may differ in the last bits
+    there while every trained number stays bit-identical."""
+    return {
+        k: round(v, 6) if k.startswith("rollout_corr/") else v
+        for k, v in record.items()
+        if not k.startswith(("timing_s/", "perf/"))
+    }
 
 
 def run_args(task, run_dir, reward_file):
