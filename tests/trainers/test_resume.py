@@ -48,15 +48,16 @@ REWARD_FILE = textwrap.dedent(
 
 
 def comparable(record: dict) -> dict:
-    """A metrics record without wall-clock numbers, and with the sampler-vs-trainer log-prob mismatch
-    (``rollout_corr/``, ~1e-8 here) rounded: the decode loop's one-row matmuls split their reductions
-    by thread count, so the crashed run's subprocess and this process may differ in the last bits
-    there while every trained number stays bit-identical."""
-    return {
-        k: round(v, 6) if k.startswith("rollout_corr/") else v
-        for k, v in record.items()
-        if not k.startswith(("timing_s/", "perf/"))
-    }
+    """A metrics record without wall-clock numbers and without the sampler-vs-trainer log-prob mismatch
+    (``rollout_corr/``, compared separately with :func:`mismatch`)."""
+    return {k: v for k, v in record.items() if not k.startswith(("timing_s/", "perf/", "rollout_corr/"))}
+
+
+def mismatch(record: dict) -> dict:
+    """The ``rollout_corr/`` metrics (~1e-8 to 1e-6 here). The decode loop's one-row matmuls split their
+    reductions by thread count, so the crashed run's subprocess and this process may differ in their
+    last bits while every trained number stays bit-identical."""
+    return {k: v for k, v in record.items() if k.startswith("rollout_corr/")}
 
 
 def run_args(task, run_dir, reward_file):
@@ -133,6 +134,7 @@ def test_resumed_metrics_equal_the_uninterrupted_run_and_each_step_is_logged_onc
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     for a, b in zip(full, resumed, strict=True):
         assert comparable(a) == comparable(b), a["step"]
+        assert mismatch(a) == pytest.approx(mismatch(b), abs=1e-5), a["step"]
     # The cosine schedule really moves (λ = 1, 1, 0.75, 0.25 over the 4 steps), so a scheduler that
     # resume did not restore would restart at λ(0) and change steps 3 and 4.
     lrs = [r["actor/lr"] for r in full[1:]]
