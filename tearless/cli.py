@@ -185,17 +185,24 @@ def _data(args: argparse.Namespace) -> int:
         return 2
 
 
+def add_config_command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand driven by a config schema: ``-h`` prints the resolved config with each key's doc,
+    ``--config`` merges a YAML file; the caller adds its own options and the overrides."""
+    cmd = sub.add_parser(name, help=text, add_help=False)
+    cmd.add_argument(
+        "-h", "--help", action="store_true", help="print the resolved config with each key's doc"
+    )
+    cmd.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
+    return cmd
+
+
 def _add_offline_parsers(sub: argparse._SubParsersAction) -> None:
     helps = {
         "sft": "supervised fine-tuning, loss on assistant tokens (default: the embedded task's warm-up)",
         "dpo": "offline DPO on preference pairs (default: pairs from the embedded task's warm-up model)",
     }
     for name, text in helps.items():
-        cmd = sub.add_parser(name, help=text, add_help=False)
-        cmd.add_argument(
-            "-h", "--help", action="store_true", help="print the resolved config with each key's doc"
-        )
-        cmd.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
+        cmd = add_config_command(sub, name, text)
         if name == "dpo":
             cmd.add_argument(
                 "--fresh", action="store_true", help="rebuild the embedded task and its preference pairs"

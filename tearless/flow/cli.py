@@ -18,12 +18,10 @@ def add_flow_parsers(sub: argparse._SubParsersAction) -> None:
         "flow-pretrain": "flow-matching pre-training of an embedded task's velocity model (points2d, shapes)",
         "flow-train": "Flow-GRPO: RL of a flow-matching model with SDE rollouts (default: the 2-D task)",
     }
+    from tearless.cli import add_config_command
+
     for name, text in helps.items():
-        cmd = sub.add_parser(name, help=text, add_help=False)
-        cmd.add_argument(
-            "-h", "--help", action="store_true", help="print the resolved config with each key's doc"
-        )
-        cmd.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
+        cmd = add_config_command(sub, name, text)
         cmd.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. task.name=shapes")
 
 

@@ -92,7 +92,7 @@ def tiny_llama(
     return LlamaForCausalLM(config)
 
 
-def task_model(spec: TaskSpec, tokenizer: Any) -> torch.nn.Module:
+def task_model(spec: TaskSpec, tokenizer: Any, *, max_position_embeddings: int = 128) -> torch.nn.Module:
     """The task's tiny Llama for ``tokenizer``, freshly initialised (the warm-up's starting point)."""
     return tiny_llama(
         len(tokenizer),
@@ -102,6 +102,7 @@ def task_model(spec: TaskSpec, tokenizer: Any) -> torch.nn.Module:
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
         seed=spec.seed,
+        max_position_embeddings=max_position_embeddings,
     )
 
 

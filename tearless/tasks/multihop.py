@@ -159,7 +159,7 @@ def build(spec: Any, out: Path) -> dict:
     from tearless.data.prompts import render_prompt
     from tearless.models.loading import quiet_transformers
     from tearless.rollout.agent import AgentSettings, SearchR1Format
-    from tearless.tasks.bootstrap import tiny_llama
+    from tearless.tasks.bootstrap import task_model
     from tearless.tasks.tokenizer import build_char_tokenizer
     from tearless.tools.search import SearchTool
 
@@ -175,16 +175,7 @@ def build(spec: Any, out: Path) -> dict:
     tok = build_char_tokenizer(extra_tokens=TAGS)
     tool = SearchTool(str(out / "corpus.jsonl"), topk=TOPK, max_passage_chars=MAX_PASSAGE_CHARS)
     fmt = SearchR1Format({"search": tool}, tok, AgentSettings())
-    model = tiny_llama(
-        len(tok),
-        hidden_size=spec.hidden_size,
-        num_layers=spec.num_layers,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        seed=spec.seed,
-        max_position_embeddings=256,
-    )
+    model = task_model(spec, tok, max_position_embeddings=256)
     prompts = {i: render_prompt(tok, r["prompt"]) for i, r in enumerate(train_rows)}
     losses = warmup(model, tok, train_rows, prompts, kb, fmt, tool, steps=spec.warmup_steps, seed=spec.seed)
     with quiet_transformers():
