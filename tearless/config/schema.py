@@ -127,6 +127,11 @@ class ActorConfig:
         "low_var_kl", "KL estimator: kl/k1 | abs | mse/k2 | low_var_kl/k3 | their '+' forms"
     )
     grad_clip: float = doc(1.0, "max global gradient norm")
+    skip_zero_adv_rows: bool = doc(
+        True,
+        "on-policy updates skip the forward/backward of responses whose advantages are all 0 where their "
+        "gradient is exactly 0 (no entropy bonus, no KL loss, loss vanilla/gspo/cispo); same update",
+    )
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -2,21 +2,34 @@
 
 Batches are laid out as veRL does: left-padded prompts (B, P) followed by right-padded responses
 (B, R). Only the logits that predict response tokens are computed (``logits_to_keep``), so the
-(B, P+R, V) tensor over prompt positions is never materialised.
+(B, P+R, V) tensor over prompt positions is never materialised, and a response's last token, which is
+only ever a target, is never forwarded.
 
-GRPO-style batches hold ``n`` responses per prompt in adjacent rows. Such a run of rows with the same
-prompt is forwarded through the prompt once: the prompt's keys and values are computed for one row
-(with gradient when enabled), repeated for the run's rows, and the responses attend to them as to a
-KV cache. The maths is that of one forward over each whole sequence (the same attention and the
-same positions); it saves (n − 1)/n of the prompt tokens' forward and backward work.
+The fast path (the default, single process) does two things veRL's remove-padding does with
+variable-length kernels, with plain batched forwards:
+
+- GRPO-style batches hold ``n`` responses per prompt in adjacent rows. Each distinct prompt is
+  forwarded once: its keys and values are computed for one row (with gradient when enabled), gathered
+  for its responses (a differentiable copy), and the responses attend to them as to a KV cache. The
+  maths is that of one forward over each whole sequence (the same attention and the same positions);
+  it saves (n − 1)/n of the prompt tokens' forward and backward work.
+- The responses are forwarded in length buckets: rows sorted by length and cut where padding them to
+  one width would cost more than another forward (:func:`length_buckets`), so a batch of 40-token
+  answers with one 64-token straggler no longer pads every row to 64.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from tearless.algos import entropy_from_logits, logprobs_from_logits
 from tearless.models.loading import compute_device
+
+# What one more forward costs, in response tokens: an extra bucket must save more padding than this.
+BUCKET_OVERHEAD_TOKENS = 64
+MAX_BUCKETS = 8
 
 
 def sequence_inputs(
@@ -50,78 +63,120 @@ def response_logprobs(
 
     Logits are divided by ``temperature`` first, matching the distribution the sampler drew from.
     Entropy is computed without gradient (it is a metric unless the caller differentiates it; pass
-    ``with_entropy="grad"`` for the entropy bonus). ``share_prompts`` forwards a prompt shared by adjacent
-    rows once (see the module docstring); False always runs one plain pass over every whole sequence.
+    ``with_entropy="grad"`` for the entropy bonus). Both are 0 after each row's last attended token.
+    ``share_prompts`` takes the fast path (shared prompts, length buckets; see the module
+    docstring); False always runs one plain pass over every whole sequence.
     """
     device = compute_device(model)
-    counts = shared_prompt_runs(prompt_ids, prompt_mask) if share_prompts else None
+    rows, width = response_ids.shape
+    lengths = attended_lengths(response_mask)
     # A KV cache under activation checkpointing is switched off by transformers: use the plain pass.
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
     checkpointing = checkpointing and torch.is_grad_enabled()
-    # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and whether a rank's
-    # batch has shared prompts differs between ranks: they all take the plain pass.
+    # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and how a rank's
+    # rows share prompts and bucket by length differs between ranks: they all take the plain pass.
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if counts is not None and not checkpointing and not sharded:
-        logits = _shared_prompt_logits(
-            model, *(t.to(device) for t in (prompt_ids, prompt_mask, response_ids, response_mask)), counts
-        )
+    fast = share_prompts and not checkpointing and not sharded and bool(prompt_mask.any(-1).all())
+    p_ids, p_mask = prompt_ids.to(device), prompt_mask.to(device)
+    r_ids, r_mask = response_ids.to(device), response_mask.to(device)
+    if fast:
+        pieces = _fast_logits(model, p_ids, p_mask, r_ids, r_mask, lengths)
     else:
-        ids, mask, positions = (
-            t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
-        )
-        width = response_ids.shape[1]
-        logits = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=width + 1,
-        ).logits[:, :-1, :]
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = logprobs_from_logits(logits, response_ids.to(device))
-    entropy = None
-    if with_entropy == "grad":
-        entropy = entropy_from_logits(logits)
-    elif with_entropy:
-        with torch.no_grad():
-            entropy = entropy_from_logits(logits.detach())
-    return log_probs, entropy
+        used = max(int(lengths.max()) if rows else 0, 1)
+        pieces = [(None, _plain_logits(model, p_ids, p_mask, r_ids[:, :used], r_mask[:, :used]))]
+    log_probs, entropies = [], []
+    for index, logits in pieces:
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        targets = r_ids[:, : logits.shape[1]] if index is None else r_ids[index, : logits.shape[1]]
+        pad = (0, width - logits.shape[1])
+        log_probs.append(torch.nn.functional.pad(logprobs_from_logits(logits, targets), pad))
+        if with_entropy == "grad":
+            entropies.append(torch.nn.functional.pad(entropy_from_logits(logits), pad))
+        elif with_entropy:
+            with torch.no_grad():
+                entropies.append(torch.nn.functional.pad(entropy_from_logits(logits.detach()), pad))
+    log_prob, entropy = torch.cat(log_probs), (torch.cat(entropies) if entropies else None)
+    if pieces[0][0] is not None:  # rows come out bucket by bucket: put them back in order
+        inverse = torch.empty(rows, dtype=torch.long, device=device)
+        inverse[torch.cat([index for index, _ in pieces])] = torch.arange(rows, device=device)
+        log_prob = log_prob[inverse]
+        entropy = None if entropy is None else entropy[inverse]
+    # Zero after each row's last attended token, whatever the model said about the padding there.
+    keep = torch.arange(width, device=device) < lengths.to(device)[:, None]
+    log_prob = log_prob * keep
+    return log_prob, (None if entropy is None else entropy * keep)
 
 
-def shared_prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
-    """Lengths of the runs of adjacent rows with identical prompts (summing to B), or None when
-    every run has length 1 (nothing to share) or some prompt is empty."""
-    if prompt_ids.shape[0] < 2 or not bool(prompt_mask.any(-1).all()):
-        return None
-    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
-    if not bool(same.any()):
-        return None
-    starts = torch.cat([torch.tensor([True]), ~same.cpu()]).nonzero().squeeze(-1)
-    return torch.diff(torch.cat([starts, torch.tensor([prompt_ids.shape[0]])]))
+def attended_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) one past each row's last attended response column (0 for a row with none)."""
+    columns = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device)
+    return (response_mask.bool() * columns).amax(-1) if response_mask.shape[1] else response_mask.sum(-1)
 
 
-def _shared_prompt_logits(
-    model: torch.nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    response_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    counts: torch.Tensor,
-) -> torch.Tensor:
-    """(B, R, V) logits predicting each response token, each distinct prompt forwarded once.
+def length_buckets(lengths: list[int], overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Rows (indices into ``lengths``) grouped so that forwarding each group padded to its own
+    longest row costs least: Σ rows · width + ``overhead`` per group.
 
-    ``counts`` are the run lengths of :func:`shared_prompt_runs`. The prompt pass keeps its KV cache;
-    each layer's keys and values are repeated ``counts`` times (a differentiable copy, so gradients
-    of all the run's responses flow back into one prompt pass) and the responses are forwarded
-    against it with positions continuing after each prompt's last real token.
+    An exact dynamic programme over the distinct lengths in increasing order (a cheapest group is
+    always a run of them): with c_k rows of the k-th length ℓ_k,
+    best[j] = min over i < j of best[i] + (c_i + … + c_(j−1)) · ℓ_(j−1) + overhead.
+    """
+    values = sorted(set(lengths))
+    count = [0] * len(values)
+    slot = {v: k for k, v in enumerate(values)}
+    for n in lengths:
+        count[slot[n]] += 1
+    best = [0.0] + [float("inf")] * len(values)
+    cut = [0] * (len(values) + 1)
+    for j in range(1, len(values) + 1):
+        rows = 0
+        for i in range(j - 1, -1, -1):
+            rows += count[i]
+            cost = best[i] + rows * values[j - 1] + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], len(values)
+    while j > 0:
+        groups.append(set(values[cut[j] : j]))
+        j = cut[j]
+    return [[r for r, n in enumerate(lengths) if n in g] for g in reversed(groups)]
+
+
+def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+    """(B, R, V) logits predicting each response token from one pass over every whole sequence."""
+    ids, mask, positions = sequence_inputs(
+        prompt_ids, prompt_mask, response_ids[:, :-1], response_mask[:, :-1]
+    )
+    return model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=response_ids.shape[1],
+    ).logits
+
+
+def _fast_logits(
+    model, prompt_ids, prompt_mask, response_ids, response_mask, lengths
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(row indices, logits (b, w, V) predicting those rows' first w response tokens) per length bucket.
+
+    Each distinct prompt of a run of adjacent rows (:func:`shared_prompt_runs`) is forwarded once
+    and its KV cache kept; each bucket's responses but their last column (only a target) are
+    forwarded against that cache, gathered for the bucket's rows, with positions continuing after
+    each prompt's last real token. Gradients of every bucket flow back into the one prompt pass.
     """
     from transformers import DynamicCache
 
-    counts = counts.to(prompt_ids.device)
+    device = prompt_ids.device
+    counts = shared_prompt_runs(prompt_ids, prompt_mask)
+    if counts is None:
+        counts = torch.ones(prompt_ids.shape[0], dtype=torch.long)
+    counts = counts.to(device)
     first_rows = torch.cumsum(counts, 0) - counts
     used = prompt_mask.any(dim=0).nonzero()
     start = int(used[0]) if len(used) else 0
@@ -135,19 +190,53 @@ def _shared_prompt_logits(
         use_cache=True,
         logits_to_keep=1,
     )
-    for layer in cache.layers:
-        layer.keys = layer.keys.repeat_interleave(counts, dim=0)
-        layer.values = layer.values.repeat_interleave(counts, dim=0)
-    mask = torch.cat([p_mask.repeat_interleave(counts, dim=0), response_mask], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :]
-    width = response_ids.shape[1]
-    response_out = model(
-        input_ids=response_ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=width,
-    )
-    first = prompt_out.logits[:, -1:, :].repeat_interleave(counts, dim=0)
-    return torch.cat([first, response_out.logits[:, : width - 1, :]], dim=1)
+    prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
+    group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    pieces = []
+    buckets = length_buckets([max(n - 1, 0) for n in lengths.tolist()], BUCKET_OVERHEAD_TOKENS)
+    for rows in buckets:
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        width = max(int(lengths[rows].max()), 1)
+        if len(buckets) == 1:  # every row, in order: a repeat (an expand when the runs are equal)
+            gather = functools.partial(_repeat_rows, counts=counts)
+        else:
+            gather = functools.partial(torch.index_select, dim=0, index=group[index])
+        first = gather(prompt_out.logits[:, -1:, :])
+        if width == 1:
+            pieces.append((index, first))
+            continue
+        bucket_cache = DynamicCache(config=model.config)
+        for layer, (keys, values) in zip(bucket_cache.layers, prompt_kv, strict=True):
+            layer.update(gather(keys), gather(values))
+        mask = torch.cat([gather(p_mask), response_mask[index, : width - 1]], dim=1)
+        out = model(
+            input_ids=response_ids[index, : width - 1],
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :],
+            past_key_values=bucket_cache,
+            use_cache=True,
+            logits_to_keep=width - 1,
+        )
+        pieces.append((index, torch.cat([first, out.logits], dim=1)))
+    return pieces
+
+
+def _repeat_rows(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row i of ``x`` repeated ``counts[i]`` times. Equal counts (the usual n samples per prompt) take
+    an expand, whose backward is a sum rather than the scatter of ``repeat_interleave``'s."""
+    if bool((counts == counts[0]).all()):
+        n = int(counts[0])
+        return x.unsqueeze(1).expand(x.shape[0], n, *x.shape[1:]).reshape(x.shape[0] * n, *x.shape[1:])
+    return x.repeat_interleave(counts, dim=0)
+
+
+def shared_prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
+    """Lengths of the runs of adjacent rows with identical prompts (summing to B), or None when
+    every run has length 1 (nothing to share) or some prompt is empty."""
+    if prompt_ids.shape[0] < 2 or not bool(prompt_mask.any(-1).all()):
+        return None
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
+    if not bool(same.any()):
+        return None
+    starts = torch.cat([torch.tensor([True]), ~same.cpu()]).nonzero().squeeze(-1)
+    return torch.diff(torch.cat([starts, torch.tensor([prompt_ids.shape[0]])]))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tearless.algos import logprobs_from_logits
+from tearless.algos import entropy_from_logits, logprobs_from_logits
 
 
 @dataclass
@@ -27,6 +27,10 @@ class RolloutOutput:
     is 1 on every real response token; it differs only in a multi-turn rollout
     (:mod:`tearless.rollout.agent`), where tool output is context the model attends to (1) but did
     not write (mask 0). It defaults to ``response_mask``.
+
+    ``entropy`` (B, R), when the engine provides it, is the entropy of the temperature-scaled,
+    unfiltered distribution each response token was drawn from (0 outside the mask): on-policy, the
+    actor's entropy of the same tokens.
     """
 
     prompt_ids: torch.Tensor
@@ -36,6 +40,7 @@ class RolloutOutput:
     log_probs: torch.Tensor
     truncated: torch.Tensor
     response_attention_mask: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_attention_mask is None:
@@ -114,7 +119,7 @@ class HFRollout:
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
         try:
             with torch.inference_mode():
-                tokens, logps, mask, finished = self._decode(
+                tokens, logps, ents, mask, finished = self._decode(
                     prompts,
                     n,
                     max_new_tokens,
@@ -135,12 +140,14 @@ class HFRollout:
             response_mask=mask.cpu().clone(),
             log_probs=logps.cpu().clone(),
             truncated=~finished.cpu().clone(),
+            entropy=ents.cpu().clone(),
         )
 
     def _decode(
         self, prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, generator, stop_sequences
     ):
-        """The decode loop: (B, T) tokens, log-probs and mask and the (B,) EOS flags, T ≤ max_new_tokens."""
+        """The decode loop: (B, T) tokens, log-probs, entropies and mask and the (B,) EOS flags,
+        T ≤ max_new_tokens."""
         from transformers import DynamicCache
 
         device = next(self.model.parameters()).device
@@ -166,6 +173,7 @@ class HFRollout:
         batch = attn.shape[0]
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logps = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        ents = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
         mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         rows = torch.arange(batch, device=device)  # the output row of each decode-batch row
@@ -184,6 +192,7 @@ class HFRollout:
             out_rows = rows[live]
             tokens[out_rows, t] = tok[live]
             logps[out_rows, t] = logp[live]
+            ents[out_rows, t] = entropy_from_logits(scaled[live])
             mask[out_rows, t] = 1
             width = t + 1
             done = live & (torch.isin(tok, eos) | _ends_with_stop(tokens, rows, t, stops))
@@ -207,7 +216,7 @@ class HFRollout:
             )
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        return tokens[:, :width], logps[:, :width], mask[:, :width], finished
+        return tokens[:, :width], logps[:, :width], ents[:, :width], mask[:, :width], finished
 
 
 def _ends_with_stop(
@@ -223,7 +232,8 @@ def _ends_with_stop(
 
 def select_rows(out: RolloutOutput, rows: torch.Tensor) -> RolloutOutput:
     """The rollout restricted to ``rows`` (an index tensor), in that order."""
-    return RolloutOutput(*(getattr(out, f)[rows] for f in RolloutOutput.__dataclass_fields__))
+    fields = (getattr(out, f) for f in RolloutOutput.__dataclass_fields__)
+    return RolloutOutput(*(None if t is None else t[rows] for t in fields))
 
 
 def concat_rollouts(outs: list[RolloutOutput], pad_token_id: int) -> RolloutOutput:
@@ -247,4 +257,7 @@ def concat_rollouts(outs: list[RolloutOutput], pad_token_id: int) -> RolloutOutp
         log_probs=torch.cat([right(o.log_probs, 0.0) for o in outs]),
         truncated=torch.cat([o.truncated for o in outs]),
         response_attention_mask=torch.cat([right(o.response_attention_mask, 0) for o in outs]),
+        entropy=None
+        if any(o.entropy is None for o in outs)
+        else torch.cat([right(o.entropy, 0.0) for o in outs]),
     )

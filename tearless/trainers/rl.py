@@ -556,6 +556,8 @@ class RLTrainer:
                 },
                 batch_size=[len(items)],
             )
+            if out.entropy is not None:
+                td["rollout_entropy"] = out.entropy
             n = cfg.actor_rollout_ref.rollout.n
             prompts = items[::n]
             rc = alg.rollout_correction

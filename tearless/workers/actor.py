@@ -6,6 +6,12 @@ each split into micro-batches (by count or by token budget) whose losses are nor
 mini-batch's global token and sequence counts, so accumulation gives exactly the gradient of the
 whole mini-batch; one optimizer step per mini-batch, gradients clipped, a non-finite gradient norm
 skips the step and is counted.
+
+On-policy, responses whose advantages are all zero contribute exactly nothing to the gradient when
+every loss term is a multiple of A_t (no entropy bonus, no KL loss, a policy loss in
+:data:`LINEAR_IN_ADVANTAGE`): with ``skip_zero_adv_rows`` they are left out of the forward and backward
+(GRPO groups whose rewards are all equal), their share of the normalisers kept, their entropy metric
+taken from the rollout. The update is the same; only the float summation order changes.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from tensordict import TensorDict
@@ -20,6 +27,9 @@ from tensordict import TensorDict
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
+
+# Policy losses whose per-token term is A_t times a factor: a zero advantage gives a zero loss and gradient.
+LINEAR_IN_ADVANTAGE = ("vanilla", "gspo", "cispo")
 
 
 def attention_mask(td: TensorDict) -> torch.Tensor:
@@ -196,10 +206,43 @@ class Actor(LogProbWorker):
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
 
+    def skips_zero_adv_rows(self, num_prompts: int) -> bool:
+        """Whether an update of ``num_prompts`` prompts leaves out responses with all-zero advantages:
+        on-policy (the ratio and its metrics are exactly 1 and 0) and every loss term linear in A_t."""
+        cfg = self.cfg
+        return (
+            cfg.skip_zero_adv_rows
+            and self.on_policy(num_prompts)
+            and cfg.entropy_coeff == 0
+            and not cfg.use_kl_loss
+            and cfg.policy_loss.loss_mode in LINEAR_IN_ADVANTAGE
+        )
+
+    def split_zero_adv_rows(self, mini: TensorDict, norm: dict) -> tuple[TensorDict, dict]:
+        """The rows of ``mini`` with a non-zero advantage (at least one row), and the metrics the
+        others add to the mini-batch's sums: a zero policy loss and their entropy (the rollout's when
+        the batch carries ``rollout_entropy``, else from a forward without gradient)."""
+        mask = mini["response_mask"]
+        keep = ((mini["advantages"] * mask) != 0).any(-1)
+        if not bool(keep.any()):
+            keep[0] = True  # one row keeps the update's shape: its metrics, gradients of zero
+        metrics = {"actor/zero_adv_rows_skipped": float((~keep).sum()) / len(keep)}
+        if bool(keep.all()):
+            return mini, metrics
+        idle = mini[~keep]
+        if "rollout_entropy" in idle.keys():
+            entropy = idle["rollout_entropy"]
+        else:
+            entropy = self.compute_log_prob(idle, with_entropy=True)[1]
+        idle_entropy = agg_loss(entropy, idle["response_mask"], self.cfg.loss_agg_mode, **norm)
+        metrics["actor/entropy"] = float(idle_entropy)
+        return mini[keep], metrics
+
     def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """Run the PPO epochs over ``td`` (one training step's responses); return averaged metrics."""
         cfg = self.cfg
-        use_detached_old = self.on_policy(td.batch_size[0] // self.rollout_n)
+        num_prompts = td.batch_size[0] // self.rollout_n
+        use_detached_old = self.on_policy(num_prompts)
         out, self.skipped_steps = run_updates(
             self.model,
             td,
@@ -216,6 +259,7 @@ class Actor(LogProbWorker):
             token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
             prefix="actor",
             skipped=self.skipped_steps,
+            drop_rows=self.split_zero_adv_rows if self.skips_zero_adv_rows(num_prompts) else None,
         )
         if cfg.use_kl_loss:
             out["actor/kl_coef"] = cfg.kl_loss_coef
@@ -239,14 +283,17 @@ def run_updates(
     token_budget: int | None,
     prefix: str,
     skipped: int,
+    drop_rows: Callable[[TensorDict, dict], tuple[TensorDict, dict]] | None = None,
 ) -> tuple[dict[str, float], int]:
     """veRL's update schedule, shared by actor and critic: ``epochs`` passes over mini-batches of
     ``rows_per_mini`` rows, each split into micro-batches whose losses ``micro_loss(mb, norm)`` are
     normalised by the mini-batch's global token and sequence counts (``norm``) and accumulated; one
     clipped optimizer step per mini-batch, skipped (and counted) when a micro-batch loss or the gradient
     norm is not finite: the parameters and the optimizer's moments and step count stay untouched.
-    The scheduler steps once per call. Returns the metrics averaged over optimizer steps and the
-    updated count of skipped steps.
+    The scheduler steps once per call. ``drop_rows(mini, norm)``, when given, returns the rows of a
+    mini-batch to forward (after the normalisers are taken from all of them) and the metrics the
+    others add. Returns the metrics averaged over optimizer steps and the updated count of skipped
+    steps.
     """
     model.train()
     rows = td.batch_size[0]
@@ -264,6 +311,10 @@ def run_updates(
             }
             optimizer.zero_grad(set_to_none=True)
             finite_loss = True
+            if drop_rows is not None:
+                mini, dropped = drop_rows(mini, norm)
+                for k, v in dropped.items():
+                    sums[k] += v
             for mb in micro_batches(
                 mini, size=None if token_budget else micro_size, token_budget=token_budget
             ):
@@ -293,9 +344,16 @@ def run_updates(
 
 
 def make_optimizer(params: list[torch.nn.Parameter], optim_cfg, total_steps: int):
-    """AdamW and its warm-up + constant/cosine schedule from an ``optim`` config section."""
+    """AdamW and its warm-up + constant/cosine schedule from an ``optim`` config section.
+
+    AdamW is torch's fused implementation (one kernel over every tensor instead of about ten ops per
+    tensor) where it exists: plain (unsharded) floating-point parameters on CPU or CUDA."""
     optimizer = torch.optim.AdamW(
-        params, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay, betas=tuple(optim_cfg.betas)
+        params,
+        lr=optim_cfg.lr,
+        weight_decay=optim_cfg.weight_decay,
+        betas=tuple(optim_cfg.betas),
+        fused=can_fuse(params) or None,
     )
     warmup = optim_cfg.lr_warmup_steps
     if warmup < 0:
@@ -304,6 +362,17 @@ def make_optimizer(params: list[torch.nn.Parameter], optim_cfg, total_steps: int
         total_steps, warmup, optim_cfg.lr_scheduler_type, optim_cfg.min_lr_ratio, optim_cfg.num_cycles
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def can_fuse(params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's fused AdamW can step ``params``: floating point, on CPU or CUDA, not DTensors
+    (FSDP2 shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") and not isinstance(p, DTensor)
+        for p in params
+    )
 
 
 def reward_kl(old_log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor, kind: str) -> tuple:

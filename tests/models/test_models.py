@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tearless.models.logprobs import response_logprobs, sequence_inputs
@@ -105,18 +107,27 @@ def test_entropy_has_gradient_only_when_asked(model):
     assert not plain.requires_grad and grad.requires_grad and lp.requires_grad and none is None
 
 
-def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwards(model):
+@pytest.mark.parametrize("overhead", [64, 0], ids=["one-bucket", "a-bucket-per-length"])
+def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwards(
+    model, overhead, monkeypatch
+):
     # Two prompts (5 and 8 tokens) with three responses each (lengths 1-6), rows of a prompt adjacent
-    # as the sampler lays them out: the prompt pass runs once per prompt and is repeated. Reference:
-    # each row forwarded on its own (nothing to share). In a float64 model, so that tolerances check
+    # as the sampler lays them out: the prompt pass runs once per prompt and is gathered for its rows.
+    # With no cost per forward, every response length gets a bucket of its own (5 response passes
+    # over rows of both prompts). Reference: each row forwarded on its own, one plain pass over the
+    # whole sequence (``share_prompts=False``). In a float64 model, so that tolerances check
     # the maths rather than rounding; even so the log-softmax runs in float32 (the log-prob contract)
     # and transformers keeps the rotary tables in float32, so gradient entries agree to ~1e-7 of the
     # largest one (measured 1e-7), not to float64 precision.
     import copy
 
+    import tearless.models.logprobs as logprobs
     from tearless.models.logprobs import shared_prompt_runs
 
+    monkeypatch.setattr(logprobs, "BUCKET_OVERHEAD_TOKENS", overhead)
     model = copy.deepcopy(model).double()
+    passes = []
+    hook = model.lm_head.register_forward_hook(lambda *_: passes.append(1))
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, 100, (5,), generator=g), torch.randint(10, 100, (8,), generator=g)]
@@ -141,13 +152,16 @@ def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwa
         response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature=0.9)[0],
         response_mask,
     )
+    hook.remove()
+    # The prompt pass, then the response buckets (the 1-token response needs only the prompt's logits).
+    assert len(passes) == (2 if overhead else 1 + 5)
     separate = []
     total_grads = [torch.zeros_like(p) for p in params]
     for i in range(6):
         lp, grads = loss_and_grads(
             response_logprobs(
                 model, prompt_ids[i : i + 1], prompt_mask[i : i + 1], response_ids[i : i + 1],
-                response_mask[i : i + 1], temperature=0.9,
+                response_mask[i : i + 1], temperature=0.9, share_prompts=False,
             )[0],
             response_mask[i : i + 1],
         )  # fmt: skip
@@ -158,3 +172,39 @@ def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwa
     for a, b in zip(shared_grads, total_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6 * float(b.abs().max()), rtol=0)
     assert sum(float(t.abs().sum()) for t in shared_grads) > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=9),
+    overhead=st.integers(0, 20),
+)
+def test_length_buckets_are_the_cheapest_split(lengths, overhead):
+    # Brute force over every split of the sorted distinct lengths into runs (the cheapest grouping is
+    # always such a split: putting a shorter row into a longer row's group never helps).
+    import itertools
+
+    from tearless.models.logprobs import length_buckets
+
+    groups = length_buckets(lengths, overhead)
+    assert sorted(r for g in groups for r in g) == list(range(len(lengths)))
+
+    def cost(gs):
+        return sum(len(g) * max(lengths[r] for r in g) + overhead for g in gs)
+
+    values = sorted(set(lengths))
+    best = float("inf")
+    for cuts in itertools.product([False, True], repeat=len(values) - 1):
+        bounds = [0, *[k + 1 for k, c in enumerate(cuts) if c], len(values)]
+        runs = [set(values[a:b]) for a, b in itertools.pairwise(bounds)]
+        best = min(best, cost([[r for r, n in enumerate(lengths) if n in run] for run in runs]))
+    assert cost(groups) == best
+
+
+def test_length_buckets_by_hand():
+    from tearless.models.logprobs import length_buckets
+
+    # 40 rows of 10 and one of 60: one group costs 41 · 60 = 2,460, two cost 400 + 60 + 2 · 64 = 588.
+    assert length_buckets([10] * 40 + [60], 64) == [list(range(40)), [40]]
+    # Lengths 9 to 11: splitting saves at most 2 per row, less than one more forward.
+    assert length_buckets([9, 10, 11, 10, 9, 11], 64) == [[0, 1, 2, 3, 4, 5]]

@@ -74,7 +74,7 @@ def test_prompts_of_one_row_and_of_a_batch_give_the_same_greedy_answer(setup):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sampler_log_probs_equal_the_actors_recomputed_log_probs(setup, temperature, dtype):
+def test_sampler_log_probs_and_entropy_equal_the_actors_recomputed_ones(setup, temperature, dtype):
     # The sampler's incremental KV-cache forward and the actor's one-pass forward over the padded
     # sequence do the same maths in a different order. In float64 they agree to 1e-5 with room to
     # spare (measured: exactly); in float32 rounding alone reaches ~1.5e-5 on log-probs near -2.
@@ -89,11 +89,16 @@ def test_sampler_log_probs_equal_the_actors_recomputed_log_probs(setup, temperat
         top_k=5,  # filtering changes what can be drawn, not the log-probs (those are unfiltered)
         generator=torch.Generator().manual_seed(3),
     )
-    recomputed, _ = LogProbWorker(model, temperature=temperature).compute_log_prob(as_batch(out))
+    recomputed, entropy = LogProbWorker(model, temperature=temperature).compute_log_prob(
+        as_batch(out), with_entropy=True
+    )
     valid = out.response_mask.bool()
     atol = 1e-5 if dtype == torch.float64 else 5e-5
     torch.testing.assert_close(out.log_probs[valid], recomputed[valid], atol=atol, rtol=0)
     assert (out.log_probs[~valid] == 0).all()
+    # The sampler's entropy is that of the same unfiltered, temperature-scaled distribution.
+    torch.testing.assert_close(out.entropy[valid], entropy[valid], atol=atol, rtol=0)
+    assert (out.entropy[~valid] == 0).all() and out.entropy[valid].sum() > 0
 
 
 def test_response_mask_covers_up_to_and_including_eos_and_truncation_flags(setup):

@@ -52,11 +52,11 @@ def actor_loss_and_logit_grad(model, td, agg: str) -> tuple[torch.Tensor, torch.
     respect to the logits that predict each response token, (B, R, V)."""
     cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01, loss_agg_mode=agg)
     actor = Actor(model, cfg, rollout_n=1, temperature=1.0, total_steps=1)
-    captured = {}
+    captured = []
 
     def keep(_module, _inputs, output):
         output.retain_grad()
-        captured["logits"] = output
+        captured.append(output)
 
     handle = model.lm_head.register_forward_hook(keep)
     try:
@@ -71,8 +71,11 @@ def actor_loss_and_logit_grad(model, td, agg: str) -> tuple[torch.Tensor, torch.
         loss.backward()
     finally:
         handle.remove()
-    # logits_to_keep = R + 1 positions; position t predicts response token t.
-    return loss.detach(), captured["logits"].grad[:, :-1, :]
+    # Two passes: the prompts' (its last position predicts response token 0), then the responses'
+    # (one bucket here: position t predicts token t + 1, up to the last attended column).
+    prompt_pass, response_pass = captured
+    grad = torch.cat([prompt_pass.grad[:, -1:], response_pass.grad], dim=1)
+    return loss.detach(), torch.nn.functional.pad(grad, (0, 0, 0, mask.shape[1] - grad.shape[1]))
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])

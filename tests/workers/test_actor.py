@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import AGG_MODES
-from tearless.config.schema import ActorConfig
+from tearless.config.schema import ActorConfig, PolicyLossConfig
 from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout
@@ -50,6 +50,7 @@ def build_batch(model_dir):
             "old_log_prob": (out.log_probs + 0.3 * noise) * mask,
             "ref_log_prob": (out.log_probs - 0.2 * noise.abs()) * mask,
             "advantages": torch.randn(rows, 1, generator=gen).expand_as(mask) * mask,
+            "rollout_entropy": out.entropy,
         },
         batch_size=[rows],
     )
@@ -67,14 +68,13 @@ def updated(model, td, lr=0.1, **actor_cfg):
     so equal parameters mean equal gradients of every mini-batch, the second one taken after the
     first one's step.
     """
-    cfg = ActorConfig(
-        ppo_mini_batch_size=actor_cfg.pop("ppo_mini_batch_size"),
+    settings = dict(
         grad_clip=1e6,  # clipping rescales to unit norm and would hide a wrongly scaled gradient
         use_kl_loss=True,
         kl_loss_coef=0.1,
         entropy_coeff=0.01,
-        **actor_cfg,
     )
+    cfg = ActorConfig(**{**settings, **actor_cfg})
     copy_ = copy.deepcopy(model)
     actor = Actor(copy_, cfg, rollout_n=N, temperature=1.0, total_steps=1)
     actor.optimizer = torch.optim.SGD(actor.params, lr=lr)
@@ -140,6 +140,87 @@ def test_on_policy_update_ignores_old_log_prob(model_and_batch):
     b, _, _ = updated(model, without, ppo_mini_batch_size=8)
     assert all(x.equal(y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
     assert ma["actor/ppo_kl"] == 0.0 and ma["actor/pg_clipfrac"] == 0.0
+
+
+def zero_groups(td: TensorDict, groups: list[int]) -> TensorDict:
+    """``td`` with the advantages of the given prompt groups (N rows each) set to 0."""
+    td = td.clone()
+    for g in groups:
+        td["advantages"][g * N : (g + 1) * N] = 0.0
+    return td
+
+
+PG_ONLY = dict(use_kl_loss=False, entropy_coeff=0.0)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [("vanilla", "token-mean"), ("vanilla", "seq-mean-token-mean"), ("vanilla", "seq-mean-token-sum-norm"),
+     ("gspo", "seq-mean-token-mean"), ("cispo", "token-mean")],
+    ids=lambda x: "-".join(x),
+)  # fmt: skip
+@pytest.mark.parametrize("entropy_source", ["rollout", "forward"])
+def test_skipping_zero_advantage_rows_leaves_the_update_and_its_metrics_unchanged(
+    model_and_batch, loss, entropy_source
+):
+    model, td = model_and_batch
+    mode, agg = loss
+    td = zero_groups(td, [0, 2, 5])  # 12 of 32 responses carry no signal
+    if entropy_source == "forward":
+        td = td.exclude("rollout_entropy")
+    common = dict(ppo_mini_batch_size=8, loss_agg_mode=agg, **PG_ONLY)
+    common["policy_loss"] = PolicyLossConfig(loss_mode=mode)
+    _, _, probe = updated(model, td, lr=0.0, skip_zero_adv_rows=False, **common)
+    common["lr"] = 0.1 / probe["actor/grad_norm"]
+    full, full_grads, full_m = updated(model, td, skip_zero_adv_rows=False, **common)
+    skip, skip_grads, skip_m = updated(model, td, **common)
+    assert skip_m["actor/zero_adv_rows_skipped"] == 12 / 32
+    assert "actor/zero_adv_rows_skipped" not in full_m
+    for (name, a), b in zip(full.named_parameters(), skip.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=0, msg=lambda m, p=name: f"{p}: {m}")
+    for a, b in zip(full_grads, skip_grads, strict=True):
+        torch.testing.assert_close(b * common["lr"], a * common["lr"], atol=1e-6, rtol=0)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert skip_m[key] == pytest.approx(full_m[key], rel=1e-5, abs=1e-7), key
+    # The sampler's entropy of the skipped rows stands in for the actor's: equal to float rounding.
+    assert skip_m["actor/entropy"] == pytest.approx(full_m["actor/entropy"], rel=1e-5)
+    assert any(not a.equal(b) for a, b in zip(full.parameters(), model.parameters(), strict=True))
+
+
+def test_a_batch_without_signal_still_takes_its_optimizer_step(model_and_batch):
+    # Every advantage 0: the gradient is 0 and AdamW still decays the weights and its moments; one
+    # row is forwarded so that the step, and every metric, happens as it would without skipping.
+    model, td = model_and_batch
+    td = zero_groups(td, list(range(8)))
+    runs = {}
+    for skip in (False, True):
+        cfg = ActorConfig(ppo_mini_batch_size=8, skip_zero_adv_rows=skip, **PG_ONLY)
+        cfg.optim.weight_decay = 0.1
+        actor = Actor(copy.deepcopy(model), cfg, rollout_n=N, temperature=1.0, total_steps=1)
+        runs[skip] = (actor, actor.update_policy(td.clone()))
+    (full, full_m), (skipped, skip_m) = runs[False], runs[True]
+    assert skip_m["actor/zero_adv_rows_skipped"] == 31 / 32
+    assert set(full_m) <= set(skip_m) and skip_m["actor/grad_norm"] == full_m["actor/grad_norm"] == 0.0
+    for a, b in zip(full.model.parameters(), skipped.model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=1e-7, rtol=0)
+    assert any(not a.equal(b) for a, b in zip(full.model.parameters(), model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(entropy_coeff=0.01, use_kl_loss=False), dict(entropy_coeff=0.0, use_kl_loss=True),
+     dict(**PG_ONLY, policy_loss=PolicyLossConfig(loss_mode="clip_cov")), dict(**PG_ONLY, ppo_epochs=2),
+     dict(**PG_ONLY, mini=4)],
+    ids=["entropy-bonus", "kl-loss", "clip-cov", "two-epochs", "two-minibatches"],
+)  # fmt: skip
+def test_zero_advantage_rows_are_forwarded_when_their_gradient_is_not_zero(model_and_batch, settings):
+    # An entropy bonus or a KL loss has a gradient at A = 0; clip_cov centres over the batch; off
+    # policy the ratio and its metrics (ppo_kl, clip fractions) involve every row.
+    model, td = model_and_batch
+    settings = dict(settings)
+    mini = settings.pop("mini", 8)
+    _, _, metrics = updated(model, zero_groups(td, [0, 2, 5]), ppo_mini_batch_size=mini, **settings)
+    assert "actor/zero_adv_rows_skipped" not in metrics
 
 
 def test_log_prob_worker_micro_batches_give_the_same_log_probs(model_and_batch):
