@@ -227,3 +227,27 @@ def test_each_prompt_is_prefilled_once_finished_rows_leave_the_batch_and_no_forw
     width = out.response_ids.shape[1]
     assert out.response_ids.tolist() == alone.response_ids[:, :width].repeat_interleave(3, 0).tolist()
     assert out.response_mask.sum(-1).tolist() == alone.response_mask.sum(-1).repeat_interleave(3).tolist()
+
+
+def test_the_buffered_decode_cache_samples_exactly_what_the_stock_cache_samples(setup, monkeypatch):
+    # Buffers written in place instead of a cache re-concatenated every step: the same keys and
+    # values, so with one seed the same tokens, and the same log-probs and entropies to rounding.
+    # n = 3 repeats the prefilled cache; rows finishing early compact it (batch_select_indices).
+    import tearless.rollout.hf as hf
+
+    _, model, prompts, rollout = setup
+    outs, layers = {}, {}
+    for name, threshold in (("stock", 10**9), ("buffered", 0)):
+        monkeypatch.setattr(hf, "BUFFERED_CACHE_MIN_POSITIONS", threshold)
+        layers[name] = type(hf.decode_cache(model.config, 40).layers[0]).__name__
+        outs[name] = rollout.generate(
+            prompts, n=3, max_new_tokens=24, temperature=1.0, generator=torch.Generator().manual_seed(5)
+        )
+    assert layers == {"stock": "DynamicLayer", "buffered": "BufferedLayer"}
+    stock, buffered = outs["stock"], outs["buffered"]
+    assert torch.equal(buffered.response_ids, stock.response_ids)
+    assert torch.equal(buffered.response_mask, stock.response_mask)
+    lengths = stock.response_mask.sum(-1)
+    assert lengths.min() < lengths.max()  # rows left the decode batch at different steps
+    torch.testing.assert_close(buffered.log_probs, stock.log_probs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(buffered.entropy, stock.entropy, atol=1e-5, rtol=0)
