@@ -55,8 +55,8 @@ class ModelConfig:
     dtype: str = doc("float32", "parameter dtype: float32 | bfloat16 | float16 (fp32 on CPU)")
     share_prompt_forward: bool = doc(
         True,
-        "forward a prompt once for all its responses in the update and log-prob passes (same maths, "
-        "float rounding differs); single-process placement only",
+        "the fast update and log-prob passes: each prompt forwarded once for all its responses, the "
+        "responses in length buckets (same maths, float rounding differs); single-process placement only",
     )
     lora_rank: int = doc(0, "LoRA rank r through peft (0 = full fine-tuning); the reference = adapters off")
     lora_alpha: float = doc(16, "LoRA scale numerator: the update is (lora_alpha / lora_rank) · B A")
