@@ -78,7 +78,7 @@ def response_logprobs(
     # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and how a rank's
     # rows share prompts and bucket by length differs between ranks: they all take the plain pass.
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-    fast = share_prompts and not checkpointing and not sharded and bool(prompt_mask.any(-1).all())
+    fast = share_prompts and rows > 0 and not (checkpointing or sharded) and bool(prompt_mask.any(-1).all())
     p_ids, p_mask = prompt_ids.to(device), prompt_mask.to(device)
     r_ids, r_mask = response_ids.to(device), response_mask.to(device)
     if fast:
