@@ -29,7 +29,6 @@ from tearless.models.loading import compute_device
 
 # What one more forward costs, in response tokens: an extra bucket must save more padding than this.
 BUCKET_OVERHEAD_TOKENS = 64
-MAX_BUCKETS = 8
 
 
 def sequence_inputs(
@@ -173,10 +172,7 @@ def _fast_logits(
     from transformers import DynamicCache
 
     device = prompt_ids.device
-    counts = shared_prompt_runs(prompt_ids, prompt_mask)
-    if counts is None:
-        counts = torch.ones(prompt_ids.shape[0], dtype=torch.long)
-    counts = counts.to(device)
+    counts = shared_prompt_runs(prompt_ids, prompt_mask).to(device)
     first_rows = torch.cumsum(counts, 0) - counts
     used = prompt_mask.any(dim=0).nonzero()
     start = int(used[0]) if len(used) else 0
@@ -230,13 +226,9 @@ def _repeat_rows(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return x.repeat_interleave(counts, dim=0)
 
 
-def shared_prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
-    """Lengths of the runs of adjacent rows with identical prompts (summing to B), or None when
-    every run has length 1 (nothing to share) or some prompt is empty."""
-    if prompt_ids.shape[0] < 2 or not bool(prompt_mask.any(-1).all()):
-        return None
+def shared_prompt_runs(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """Lengths of the runs of adjacent rows with identical prompts (summing to B; all ones when no
+    two adjacent rows share a prompt)."""
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(-1) & (prompt_mask[1:] == prompt_mask[:-1]).all(-1)
-    if not bool(same.any()):
-        return None
     starts = torch.cat([torch.tensor([True]), ~same.cpu()]).nonzero().squeeze(-1)
     return torch.diff(torch.cat([starts, torch.tensor([prompt_ids.shape[0]])]))

@@ -220,8 +220,9 @@ class Actor(LogProbWorker):
 
     def split_zero_adv_rows(self, mini: TensorDict, norm: dict) -> tuple[TensorDict, dict]:
         """The rows of ``mini`` with a non-zero advantage (at least one row), and the metrics the
-        others add to the mini-batch's sums: a zero policy loss and their entropy (the rollout's when
-        the batch carries ``rollout_entropy``, else from a forward without gradient)."""
+        others add to the mini-batch's sums: the share skipped and their entropy (the rollout's when
+        the batch carries ``rollout_entropy``, else from a forward without gradient). Their policy
+        loss and its clip and KL metrics are exactly 0 on-policy: they add nothing there."""
         mask = mini["response_mask"]
         keep = ((mini["advantages"] * mask) != 0).any(-1)
         if not bool(keep.any()):
