@@ -73,7 +73,7 @@ def build_medium(root: Path, *, seed: int = 1) -> None:
     from tearless.data import PromptLoader, write_parquet
     from tearless.data.sft import SFTDataset
     from tearless.tasks import long_addition
-    from tearless.tasks.bootstrap import tiny_llama
+    from tearless.tasks.bootstrap import tokenizer_llama
     from tearless.tasks.tokenizer import build_char_tokenizer
     from tearless.trainers.offline import make_optimizer
     from tearless.trainers.sft import collate_fn, sft_step
@@ -86,15 +86,7 @@ def build_medium(root: Path, *, seed: int = 1) -> None:
     write_parquet(train, root / "train.parquet")
     write_parquet(val, root / "test.parquet")
     tok = build_char_tokenizer()
-    model = tiny_llama(
-        len(tok),
-        hidden_size=512,
-        num_layers=8,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        seed=seed,
-    )
+    model = tokenizer_llama(tok, hidden_size=512, num_layers=8, seed=seed)
     demos = [
         {**r, "response": long_addition.worked_answer(r["extra_info"]["a"], r["extra_info"]["b"])}
         for r in train

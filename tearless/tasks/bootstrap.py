@@ -92,15 +92,28 @@ def tiny_llama(
     return LlamaForCausalLM(config)
 
 
-def task_model(spec: TaskSpec, tokenizer: Any, *, max_position_embeddings: int = 128) -> torch.nn.Module:
-    """The task's tiny Llama for ``tokenizer``, freshly initialised (the warm-up's starting point)."""
+def tokenizer_llama(
+    tokenizer: Any, *, hidden_size: int, num_layers: int, seed: int, max_position_embeddings: int = 128
+) -> torch.nn.Module:
+    """:func:`tiny_llama` sized for ``tokenizer``: its vocabulary and its pad, EOS and BOS ids."""
     return tiny_llama(
         len(tokenizer),
-        hidden_size=spec.hidden_size,
-        num_layers=spec.num_layers,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
+        seed=seed,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+def task_model(spec: TaskSpec, tokenizer: Any, *, max_position_embeddings: int = 128) -> torch.nn.Module:
+    """The task's tiny Llama for ``tokenizer``, freshly initialised (the warm-up's starting point)."""
+    return tokenizer_llama(
+        tokenizer,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.num_layers,
         seed=spec.seed,
         max_position_embeddings=max_position_embeddings,
     )

@@ -24,13 +24,12 @@ GSM8K = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from tearless.tasks.bootstrap import tiny_llama
+    from tearless.tasks.bootstrap import tokenizer_llama
     from tearless.tasks.tokenizer import build_char_tokenizer
 
     path = tmp_path_factory.mktemp("policy")
     tok = build_char_tokenizer()
-    ids = dict(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    tiny_llama(len(tok), hidden_size=32, num_layers=1, seed=0, **ids).save_pretrained(path)
+    tokenizer_llama(tok, hidden_size=32, num_layers=1, seed=0).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
 

@@ -308,18 +308,9 @@ def test_real_model_rollout_log_probs_match_the_trainers_forward_across_tool_out
     """On a real tiny Llama, the sampler's log-probs of model tokens equal those the actor recomputes
     from the whole sequence with the attention mask (tool output attended, positions contiguous)."""
     from tearless.models.logprobs import response_logprobs
-    from tearless.tasks.bootstrap import tiny_llama
+    from tearless.tasks.bootstrap import tokenizer_llama
 
-    model = tiny_llama(
-        len(tok),
-        hidden_size=32,
-        num_layers=1,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        seed=0,
-        max_position_embeddings=256,
-    )
+    model = tokenizer_llama(tok, hidden_size=32, num_layers=1, seed=0, max_position_embeddings=256)
     engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     loop = AgentLoop(engine, tok, {"search": Lookup()}, AgentSettings(max_assistant_turns=4))
     items = [item(tok, q) for q in ("Where was kat born?", "Where was bim's mother born?")]
@@ -339,17 +330,9 @@ def test_real_model_rollout_log_probs_match_the_trainers_forward_across_tool_out
 def test_the_sampler_stops_right_after_a_stop_sequence_and_keeps_it(tok):
     """HFRollout's ``stop_sequences``: a greedy tiny model's own output, cut after a sequence taken from
     the middle of it, is exactly the uncut output's prefix."""
-    from tearless.tasks.bootstrap import tiny_llama
+    from tearless.tasks.bootstrap import tokenizer_llama
 
-    model = tiny_llama(
-        len(tok),
-        hidden_size=32,
-        num_layers=1,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        seed=3,
-    )
+    model = tokenizer_llama(tok, hidden_size=32, num_layers=1, seed=3)
     engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     prompt = item(tok, "Where was kat born?")["input_ids"]
     full = engine.generate([prompt], max_new_tokens=12, do_sample=False)

@@ -7,19 +7,11 @@ from pathlib import Path
 
 def save_tiny_model(path: Path, *, seed: int = 0) -> str:
     """Write a randomly initialised 1-layer, 32-wide Llama and the embedded char tokenizer."""
-    from tearless.tasks.bootstrap import tiny_llama
+    from tearless.tasks.bootstrap import tokenizer_llama
     from tearless.tasks.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    model = tiny_llama(
-        len(tok),
-        hidden_size=32,
-        num_layers=1,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.bos_token_id,
-        seed=seed,
-    )
+    model = tokenizer_llama(tok, hidden_size=32, num_layers=1, seed=seed)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
