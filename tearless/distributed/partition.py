@@ -67,7 +67,8 @@ class MiniBatchPlan:
 
 
 def mini_batch_norm(response_mask: torch.Tensor) -> dict[str, torch.Tensor | float]:
-    """The global normalisers of one mini-batch, exactly as the single-process update computes them."""
+    """The global normalisers of one mini-batch (``norm`` of :func:`tearless.workers.actor.run_updates`,
+    which calls this, and of the ranks' plans)."""
     return {
         "global_num_tokens": response_mask.sum().clamp(min=1),
         "global_num_seqs": (response_mask.sum(-1) > 0).sum().clamp(min=1),

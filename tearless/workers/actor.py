@@ -26,6 +26,7 @@ from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
 from tearless.config.schema import ActorConfig
+from tearless.distributed.partition import mini_batch_norm
 from tearless.models.logprobs import response_logprobs
 
 # Policy losses whose per-token term is A_t times a factor: a zero advantage gives a zero loss and gradient.
@@ -304,12 +305,7 @@ def run_updates(
         order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
         for start in range(0, rows, rows_per_mini):
             mini = td[order[start : start + rows_per_mini]]
-            mask = mini["response_mask"]
-            norm = {
-                "global_num_tokens": mask.sum().clamp(min=1),
-                "global_num_seqs": (mask.sum(-1) > 0).sum().clamp(min=1),
-                "loss_scale_factor": float(mask.shape[1]),
-            }
+            norm = mini_batch_norm(mini["response_mask"])
             optimizer.zero_grad(set_to_none=True)
             finite_loss = True
             if drop_rows is not None:
