@@ -53,9 +53,10 @@ def small_overrides(task, run_dir: str | Path, *extra: str) -> list[str]:
     ]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def overrides(task):
-    """``overrides(run_dir, *extra)``: :func:`small_overrides` bound to the session task."""
+    """``overrides(run_dir, *extra)``: :func:`small_overrides` bound to the session task (later
+    overrides of a key win, so ``extra`` may change any of its settings)."""
 
     def make(run_dir, *extra):
         return small_overrides(task, run_dir, *extra)

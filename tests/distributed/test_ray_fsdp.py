@@ -62,17 +62,11 @@ def ray_session():
     ray.shutdown()
 
 
-def args(task, run_dir, *extra):
-    return [
-        f"actor_rollout_ref.model.path={task.model_dir}",
-        f"data.train_files={task.train_file}",
-        f"data.val_files={task.val_file}",
-        f"trainer.default_local_dir={run_dir}",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.rollout.n=4",
-        "data.max_response_length=16",
-        "trainer.logger=[jsonl]",
-        "reward_model.num_workers=0",
+def args(overrides, run_dir, *extra):
+    """The conftest's small run (8 prompts × 4 responses, jsonl) with an update that exercises every
+    part of the schedule, and the workers' settings."""
+    return overrides(
+        run_dir,
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps per RL step
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.actor.ppo_epochs=2",
@@ -92,7 +86,7 @@ def args(task, run_dir, *extra):
         "actor_rollout_ref.model.share_prompt_forward=false",
         f"trainer.worker_timeout_s={TIMEOUT_S}",
         *extra,
-    ]
+    )
 
 
 def workers(n):
@@ -120,18 +114,18 @@ class Interrupt:
 
 
 @pytest.fixture(scope="module")
-def local(task, tmp_path_factory):
+def local(overrides, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("local")
-    train(None, args(task, run_dir), log=lambda _: None)
+    train(None, args(overrides, run_dir), log=lambda _: None)
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def chain(ray_session, task, tmp_path_factory):
+def chain(ray_session, overrides, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chain")
     kill = Interrupt(run_dir, at_step=3, kill_rank=1)
     with pytest.raises(WorkerError) as died:
-        train(None, args(task, run_dir, *workers(2)), reward_fn=kill, log=lambda _: None)
+        train(None, args(overrides, run_dir, *workers(2)), reward_fn=kill, log=lambda _: None)
     stopped_after = time.monotonic() - kill.fired_at
     after_death = sorted(p.name for p in run_dir.glob("global_step_*"))
     two_worker_state = torch.load(run_dir / "global_step_2" / "trainer_state.pt", weights_only=False)
@@ -139,13 +133,13 @@ def chain(ray_session, task, tmp_path_factory):
     with pytest.raises(KeyboardInterrupt):
         train(
             None,
-            args(task, run_dir, *workers(1), "trainer.colocate=false"),
+            args(overrides, run_dir, *workers(1), "trainer.colocate=false"),
             reward_fn=Interrupt(run_dir, 4),
             log=lambda _: None,
         )
     split_pools = sorted(p.name for p in run_dir.glob("workers_*.json"))
     after_one = sorted(p.name for p in run_dir.glob("global_step_*"))
-    summary = train(None, args(task, run_dir, *workers(2)), log=lambda _: None)
+    summary = train(None, args(overrides, run_dir, *workers(2)), log=lambda _: None)
     return dict(
         run_dir=run_dir,
         error=str(died.value),
@@ -214,21 +208,21 @@ def test_resume_two_to_one_to_two_workers_matches_the_single_process_run(local, 
     assert_same_steps(local, chain["run_dir"], range(1, STEPS + 1))
 
 
-def test_a_ray_checkpoint_refuses_the_local_placement(chain, task, tmp_path):
+def test_a_ray_checkpoint_refuses_the_local_placement(chain, overrides, tmp_path):
     run_dir = tmp_path / "copy"
     shutil.copytree(chain["run_dir"], run_dir)
     with pytest.raises(ValueError, match=r"trainer\.placement=ray"):
-        train(None, args(task, run_dir, "trainer.total_training_steps=5"), log=lambda _: None)
+        train(None, args(overrides, run_dir, "trainer.total_training_steps=5"), log=lambda _: None)
 
 
-def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, task):
+def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, task, overrides):
     from tensordict import TensorDict
 
     from tearless.config import load_config
     from tearless.distributed.group import WorkerGroup
     from tearless.distributed.worker import WorkerSpec
 
-    cfg = load_config(None, args(task, "unused"))
+    cfg = load_config(None, args(overrides, "unused"))
     spec = WorkerSpec(cfg, ("ref",), {"ref": str(task.model_dir)}, 1, "cpu", TIMEOUT_S)
     group = WorkerGroup(spec, 1, name="ref")
     td = TensorDict(
@@ -248,12 +242,12 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
     assert group.handles == []  # the group was stopped
 
 
-def test_a_worker_that_does_not_answer_in_time_is_named_and_stopped(ray_session, task):
+def test_a_worker_that_does_not_answer_in_time_is_named_and_stopped(ray_session, task, overrides):
     from tearless.config import load_config
     from tearless.distributed.group import WorkerGroup
     from tearless.distributed.worker import WorkerSpec
 
-    cfg = load_config(None, args(task, "unused"))
+    cfg = load_config(None, args(overrides, "unused"))
     # Starting a worker process takes seconds; a 50 ms limit on the first call cannot be met.
     spec = WorkerSpec(cfg, ("ref",), {"ref": str(task.model_dir)}, 1, "cpu", 0.05)
     started = time.monotonic()

@@ -60,41 +60,33 @@ def mismatch(record: dict) -> dict:
     return {k: v for k, v in record.items() if k.startswith("rollout_corr/")}
 
 
-def run_args(task, run_dir, reward_file):
-    return [
-        f"actor_rollout_ref.model.path={task.model_dir}",
-        f"data.train_files={task.train_file}",
-        f"data.val_files={task.val_file}",
-        f"trainer.default_local_dir={run_dir}",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.rollout.n=4",
+def run_args(overrides, run_dir, reward_file):
+    return overrides(
+        run_dir,
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",  # two optimizer steps per RL step
-        "data.max_response_length=16",
         "data.val_max_samples=20",
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
         "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",  # lr depends on the step
         "actor_rollout_ref.actor.optim.lr_warmup_steps=1",
         "actor_rollout_ref.actor.use_kl_loss=true",
-        "trainer.logger=[jsonl]",
         "trainer.total_training_steps=4",
         "trainer.save_freq=2",
         "trainer.num_rollout_samples=3",
-        "reward_model.num_workers=0",
         f"custom_reward_function.path={reward_file}",
-    ]
+    )
 
 
 @pytest.fixture(scope="module")
-def runs(task, tmp_path_factory):
+def runs(overrides, tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
     reward_file = root / "reward.py"
     reward_file.write_text(REWARD_FILE)
     full, crashed = root / "uninterrupted", root / "crashed"
-    full_summary = train(None, run_args(task, full, reward_file), log=lambda _: None)
+    full_summary = train(None, run_args(overrides, full, reward_file), log=lambda _: None)
 
     env = {**os.environ, "TEARLESS_TEST_KILL_AFTER_STEP": "3", "TEARLESS_TEST_RUN_DIR": str(crashed)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tearless.main_ppo", *run_args(task, crashed, reward_file)],
+        [sys.executable, "-m", "tearless.main_ppo", *run_args(overrides, crashed, reward_file)],
         env=env,
         capture_output=True,
         text=True,
@@ -106,7 +98,7 @@ def runs(task, tmp_path_factory):
         checkpoints=sorted(p.name for p in crashed.glob("global_step_*")),
         stderr=proc.stderr,
     )
-    resumed_summary = train(None, run_args(task, crashed, reward_file), log=lambda _: None)
+    resumed_summary = train(None, run_args(overrides, crashed, reward_file), log=lambda _: None)
     return dict(full=full, crashed=crashed, full_summary=full_summary, resumed=resumed_summary, killed=killed)
 
 
@@ -149,10 +141,11 @@ def test_resume_does_not_duplicate_rollout_samples(runs):
         assert steps == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4, 4, 4], (run, steps)
 
 
-def test_resuming_a_finished_run_changes_nothing(runs, task):
+def test_resuming_a_finished_run_changes_nothing(runs, overrides):
     before = (runs["full"] / "metrics.jsonl").read_text()
     mtime = (runs["full"] / "global_step_4" / "COMPLETE").stat().st_mtime_ns
-    summary = train(None, run_args(task, runs["full"], runs["full"].parent / "reward.py"), log=lambda _: None)
+    again = run_args(overrides, runs["full"], runs["full"].parent / "reward.py")
+    summary = train(None, again, log=lambda _: None)
     assert summary["start_step"] == 4 and "after" not in summary
     assert (runs["full"] / "metrics.jsonl").read_text() == before
     assert (runs["full"] / "global_step_4" / "COMPLETE").stat().st_mtime_ns == mtime
