@@ -28,6 +28,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.config import Config
+from tearless.cpu import configure_cpu
 from tearless.distributed.fsdp import (
     clip_grad_norm,
     full_state_dict,
@@ -85,8 +86,7 @@ class RankWorker:
         from torch.distributed.device_mesh import init_device_mesh
 
         cfg, spec = self.spec.cfg, self.spec
-        if cfg.trainer.num_threads > 0:
-            torch.set_num_threads(cfg.trainer.num_threads)
+        configure_cpu(cfg.trainer.num_threads, cfg.trainer.keep_freed_memory)
         torch.manual_seed(cfg.trainer.seed)
         cuda = spec.device == "cuda"
         if cuda:

@@ -20,6 +20,7 @@ import torch
 
 from tearless.config import to_dict
 from tearless.config.sft import OfflineOptimConfig, OfflineTrainerConfig
+from tearless.cpu import configure_cpu
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import lr_lambda
@@ -28,11 +29,10 @@ KEY_METRICS = {"train/loss": "loss", "rewards/accuracies": "acc", "train/grad_no
 
 
 def setup_torch(t: OfflineTrainerConfig) -> torch.device:
-    """Seed torch and Python, set the CPU threads, and pick the device."""
+    """Seed torch and Python, apply the CPU settings (threads, malloc), and pick the device."""
     torch.manual_seed(t.seed)
     random.seed(t.seed)
-    if t.num_threads > 0:
-        torch.set_num_threads(t.num_threads)
+    configure_cpu(t.num_threads, t.keep_freed_memory)
     use_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
     return torch.device("cuda" if use_cuda else "cpu")
 

@@ -27,6 +27,7 @@ from tensordict import TensorDict
 from tearless import faults
 from tearless.algos import compute_advantage, filter_groups, make_kl_controller
 from tearless.config import Config, to_dict
+from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.distributed import uses_ray
 from tearless.models.loading import load_causal_lm, load_tokenizer
@@ -83,8 +84,7 @@ class RLTrainer:
         t = cfg.trainer
         torch.manual_seed(t.seed)
         random.seed(t.seed)
-        if t.num_threads > 0:
-            torch.set_num_threads(t.num_threads)
+        configure_cpu(t.num_threads, t.keep_freed_memory)
         self.device = torch.device(
             "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         )
