@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tearless.algos import entropy_from_logits, logprobs_from_logits
+from tearless.algos import entropy_from_logits
 
 
 @dataclass
@@ -106,10 +106,9 @@ class HFRollout:
     ) -> RolloutOutput:
         """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
 
-        Each prompt is prefilled once and its KV cache repeated for its ``n`` samples; rows that
-        have emitted EOS leave the decode batch (the cache is compacted once at least a quarter of
-        the batch has finished, so the copy is paid at most a logarithmic number of times); no
-        forward pass runs after the last token.
+        Each prompt is prefilled once; its ``n`` samples then share one model row for as long as
+        they have drawn the same tokens (see ``_decode``); rows that have emitted EOS leave the
+        decode batch; no forward pass runs after the last token.
 
         A response ends at an EOS token or, when ``stop_sequences`` are given, right after it has
         produced one of those token sequences (kept in the response, like an EOS).
@@ -148,7 +147,17 @@ class HFRollout:
         self, prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, generator, stop_sequences
     ):
         """The decode loop: (B, T) tokens, log-probs, entropies and mask and the (B,) EOS flags,
-        T ≤ max_new_tokens."""
+        T ≤ max_new_tokens.
+
+        The model forwards one row per distinct token history, not one per sample: a prompt's n
+        samples share their history until they draw different tokens. ``owner`` maps each live output
+        row to its model row; every live output row draws its own token from its model row's
+        distribution (independent draws, as with one model row per sample), then the output rows of a
+        model row that drew different tokens split it, one model row per token (its cache rows
+        copied). Rows that finished are dropped with the next split, or once a quarter of the model
+        rows are idle. Greedy samples of one prompt therefore cost one row, and samples of a
+        confident policy little more.
+        """
         device = next(self.model.parameters()).device
         ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
         eos = self.eos.to(device)
@@ -164,50 +173,47 @@ class HFRollout:
             logits_to_keep=1,
         )
         logits = out.logits[:, -1, :].float()
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            attn = attn.repeat_interleave(n, dim=0)
-            positions = positions.repeat_interleave(n, dim=0)
-        batch = attn.shape[0]
+        batch = len(prompts) * n
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logps = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
         ents = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
         mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        rows = torch.arange(batch, device=device)  # the output row of each decode-batch row
-        live = torch.ones(batch, dtype=torch.bool, device=device)
+        rows = torch.arange(batch, device=device)  # the live output rows
+        owner = rows // n  # the model row of each live output row
         next_pos = positions[:, -1:] + 1
         width = 0
         for t in range(max_new_tokens):
+            scaled = logits / temperature if do_sample or temperature > 0 else logits
             if do_sample:
-                scaled = logits / temperature
                 probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
-                tok = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                tok = _draw(probs, owner, generator)
             else:
-                scaled = logits / temperature if temperature > 0 else logits
-                tok = scaled.argmax(-1)
-            logp = logprobs_from_logits(scaled, tok)
-            out_rows = rows[live]
-            tokens[out_rows, t] = tok[live]
-            logps[out_rows, t] = logp[live]
-            ents[out_rows, t] = entropy_from_logits(scaled[live])
-            mask[out_rows, t] = 1
+                tok = scaled.argmax(-1)[owner]
+            tokens[rows, t] = tok
+            logps[rows, t] = (scaled[owner, tok] - torch.logsumexp(scaled, dim=-1)[owner]).float()
+            ents[rows, t] = entropy_from_logits(scaled)[owner]
+            mask[rows, t] = 1
             width = t + 1
-            done = live & (torch.isin(tok, eos) | _ends_with_stop(tokens, rows, t, stops))
+            done = torch.isin(tok, eos) | _ends_with_stop(tokens, rows, t, stops)
             finished[rows[done]] = True
-            live = live & ~done
-            alive = int(live.sum())
-            if alive == 0 or t == max_new_tokens - 1:
+            rows, owner, tok = rows[~done], owner[~done], tok[~done]
+            if len(rows) == 0 or t == max_new_tokens - 1:
                 break
-            if alive <= 0.75 * len(rows):
-                keep = live.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
-                live = torch.ones(len(keep), dtype=torch.bool, device=device)
-            attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
+            # The next model rows: one per distinct (model row, token) among the live output rows.
+            vocab = scaled.shape[-1]
+            keys, inverse = torch.unique(owner * vocab + tok, return_inverse=True)
+            parent, step_tok = keys // vocab, keys % vocab
+            split = bool((parent[1:] == parent[:-1]).any())
+            if split or len(parent) <= 0.75 * len(logits):
+                cache.batch_select_indices(parent)
+                attn, next_pos, owner = attn[parent], next_pos[parent], inverse
+            else:  # no split and few idle rows: keep the batch, idle rows read a pad token
+                step_tok = torch.full((len(logits),), self.pad_token_id, dtype=torch.long, device=device)
+                step_tok[parent] = keys % vocab
+            attn = torch.cat([attn, torch.ones((len(attn), 1), dtype=attn.dtype, device=device)], dim=1)
             out = self.model(
-                input_ids=torch.where(live, tok, self.pad_token_id)[:, None],
+                input_ids=step_tok[:, None],
                 attention_mask=attn,
                 position_ids=next_pos,
                 past_key_values=cache,
@@ -216,6 +222,18 @@ class HFRollout:
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
         return tokens[:, :width], logps[:, :width], ents[:, :width], mask[:, :width], finished
+
+
+def _draw(probs: torch.Tensor, owner: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One independent token per output row from its model row's distribution: ``probs`` (U, V),
+    ``owner`` (B,) → (B,). Model row u draws as many tokens (with replacement) as it has output rows,
+    handed out in output-row order."""
+    counts = torch.bincount(owner, minlength=probs.shape[0])
+    draws = torch.multinomial(probs, int(counts.max()), replacement=True, generator=generator)
+    order = torch.argsort(owner, stable=True)
+    rank = torch.empty_like(owner)
+    rank[order] = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[owner[order]]
+    return draws[owner, rank]
 
 
 # Below this many positions the stock cache's copies are cheaper than attention over buffer views.

@@ -200,33 +200,78 @@ def test_filter_logits_top_p_by_hand():
     assert torch.isfinite(both).tolist() == [True, True, False, True]
 
 
-def test_each_prompt_is_prefilled_once_finished_rows_leave_the_batch_and_no_forward_follows_the_end(setup):
-    _, model, prompts, rollout = setup
-    batch_sizes, widths = [], []
+def record_batch_sizes(model):
+    """Forward-hook every call's (rows, width); returns the list and the hook handle."""
+    calls = []
 
     def record(module, args, kwargs):
-        batch_sizes.append(kwargs["input_ids"].shape[0])
-        widths.append(kwargs["input_ids"].shape[1])
+        calls.append(tuple(kwargs["input_ids"].shape))
 
-    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    return calls, model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def test_each_prompt_is_prefilled_once_finished_rows_leave_the_batch_and_no_forward_follows_the_end(setup):
+    _, model, prompts, rollout = setup
+    calls, handle = record_batch_sizes(model)
     try:
         out = rollout.generate(prompts, n=3, max_new_tokens=16, do_sample=False)
     finally:
         handle.remove()
     # One prefill of the 8 distinct prompts (not 24 copies), then one-token forwards.
-    assert batch_sizes[0] == 8 and widths[0] == max(len(p) for p in prompts)
-    assert set(widths[1:]) == {1}
+    assert calls[0] == (8, max(len(p) for p in prompts))
+    assert {width for _, width in calls[1:]} == {1}
     # A forward for every token but the last: the width of the response, not one more.
-    assert len(batch_sizes) == out.response_ids.shape[1]
-    # Rows that finished left: the decode batch only shrinks, and ends smaller than 24.
-    decode = batch_sizes[1:]
-    assert decode[0] == 24 and all(a >= b for a, b in itertools.pairwise(decode))
-    assert decode[-1] < 24
+    assert len(calls) == out.response_ids.shape[1]
+    # Greedy samples of a prompt never differ, so they share one model row: 8 rows, not 24; rows
+    # that finished left: the decode batch only shrinks, and ends smaller than 8.
+    decode = [rows for rows, _ in calls[1:]]
+    assert decode[0] == 8 and all(a >= b for a, b in itertools.pairwise(decode))
+    assert decode[-1] < 8
     # … and the answers are still every prompt's own greedy answer, n times over.
     alone = rollout.generate(prompts, n=1, max_new_tokens=16, do_sample=False)
     width = out.response_ids.shape[1]
     assert out.response_ids.tolist() == alone.response_ids[:, :width].repeat_interleave(3, 0).tolist()
     assert out.response_mask.sum(-1).tolist() == alone.response_mask.sum(-1).repeat_interleave(3).tolist()
+
+
+def test_samples_share_a_model_row_until_they_draw_different_tokens(setup):
+    # At every step the model forwards at least one row per distinct history of the live samples
+    # (prompt + tokens so far), and no more than needed: exactly that many after a split, or at
+    # most a third more while finished rows wait to be dropped.
+    _, model, prompts, rollout = setup
+    n = 8
+    calls, handle = record_batch_sizes(model)
+    try:
+        out = rollout.generate(prompts, n=n, max_new_tokens=16, generator=torch.Generator().manual_seed(2))
+    finally:
+        handle.remove()
+    ids, mask = out.response_ids, out.response_mask
+    decode = [rows for rows, _ in calls[1:]]
+    assert len(decode) == ids.shape[1] - 1
+    distinct = []
+    for t, rows in enumerate(decode, start=1):  # the forward after step t-1 reads token t-1
+        live = [r for r in range(len(ids)) if mask[r, t]]
+        distinct.append(len({(r // n, tuple(ids[r, :t].tolist())) for r in live}))
+        assert distinct[-1] <= rows <= max(distinct[-1], 4 * distinct[-1] // 3 + 1)
+    # The warmed-up model is confident: the 64 samples are far fewer histories (~6x on this task).
+    assert sum(decode) < 0.4 * int(mask[:, 1:].sum())
+    assert len({tuple(r) for r in ids.tolist()}) > len(prompts)  # and yet the samples do differ
+
+
+def test_draw_gives_each_output_row_an_independent_sample_of_its_model_rows_distribution():
+    from tearless.rollout.hf import _draw
+
+    probs = torch.tensor([[0.5, 0.5, 0.0], [0.1, 0.2, 0.7]])
+    owner = torch.tensor([1, 0, 1, 1, 0])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.stack([_draw(probs, owner, gen) for _ in range(4000)])  # (4000, 5)
+    for row, model_row in enumerate(owner.tolist()):
+        freq = torch.bincount(draws[:, row], minlength=3).float() / len(draws)
+        torch.testing.assert_close(freq, probs[model_row], atol=0.03, rtol=0)
+    # Rows 0 and 2 share model row 1 but draw independently: equal with probability Σ p² = 0.54.
+    same = (draws[:, 0] == draws[:, 2]).float().mean().item()
+    assert abs(same - 0.54) < 0.03
+    assert (draws[:, 1] != 2).all() and (draws[:, 4] != 2).all()  # zero-probability tokens never drawn
 
 
 def test_the_buffered_decode_cache_samples_exactly_what_the_stock_cache_samples(setup, monkeypatch):
