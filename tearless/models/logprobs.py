@@ -13,6 +13,9 @@ variable-length kernels, with plain batched forwards:
   for its responses (a differentiable copy), and the responses attend to them as to a KV cache. The
   maths is that of one forward over each whole sequence (the same attention and the same positions);
   it saves (n − 1)/n of the prompt tokens' forward and backward work.
+- Identical sequences (the same prompt and response: a confident policy's GRPO group often
+  samples one answer several times) are forwarded once (:func:`distinct_rows`); their log-probs
+  are copied to the duplicates, whose gradients add up in the one forward.
 - The responses are forwarded in length buckets: rows sorted by length and cut where padding them to
   one width would cost more than another forward (:func:`length_buckets`), so a batch of 40-token
   answers with one 64-token straggler no longer pads every row to 64.
@@ -81,6 +84,18 @@ def response_logprobs(
     p_ids, p_mask = prompt_ids.to(device), prompt_mask.to(device)
     r_ids, r_mask = response_ids.to(device), response_mask.to(device)
     if fast:
+        rep, inverse = distinct_rows(p_ids, p_mask, r_ids, r_mask, lengths.to(device))
+        if len(rep) < rows:  # forward each distinct sequence once; duplicates share its outputs
+            log_prob, entropy = response_logprobs(
+                model,
+                p_ids[rep],
+                p_mask[rep],
+                r_ids[rep],
+                r_mask[rep],
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
+            return log_prob[inverse], (None if entropy is None else entropy[inverse])
         pieces = _fast_logits(model, p_ids, p_mask, r_ids, r_mask, lengths)
     else:
         used = max(int(lengths.max()) if rows else 0, 1)
@@ -108,6 +123,28 @@ def response_logprobs(
     keep = torch.arange(width, device=device) < lengths.to(device)[:, None]
     log_prob = log_prob * keep
     return log_prob, (None if entropy is None else entropy * keep)
+
+
+def distinct_rows(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    lengths: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rep, inverse)``: one row index per distinct sequence (prompt, mask and response up to its
+    attended length) and, for each row, the position of its sequence in ``rep`` (``rep[inverse]``
+    indexes rows equal to every row). ``rep`` is in lexicographic order of the sequences, so rows
+    of one prompt stay adjacent. Taking ``out[inverse]`` of the distinct rows' outputs gives every
+    row its values, and under autograd sums the duplicates' gradients into their one forward: the
+    gradient of one pass per row."""
+    columns = torch.arange(response_ids.shape[1], device=response_ids.device)
+    response = response_ids.masked_fill(columns >= lengths[:, None], 0)
+    keys = torch.cat([prompt_ids, prompt_mask, response, response_mask], dim=1)
+    distinct, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    rows = torch.arange(len(keys), device=keys.device)
+    rep = torch.full((len(distinct),), len(keys), device=keys.device).scatter_reduce(0, inverse, rows, "amin")
+    return rep, inverse
 
 
 def attended_lengths(response_mask: torch.Tensor) -> torch.Tensor:

@@ -174,6 +174,58 @@ def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwa
     assert sum(float(t.abs().sum()) for t in shared_grads) > 0
 
 
+def test_duplicate_sequences_are_forwarded_once_with_the_gradient_of_separate_forwards(model):
+    # Prompt A with responses r1, r1 (its copy has other garbage after its end), r2; prompt B with r3
+    # three times. Each row's loss weight differs, so each duplicate's gradient counts on its own.
+    # Only the 3 distinct responses are forwarded (plus the 2 prompts once); log-probs and gradient
+    # equal those of one plain forward per row.
+    import copy
+
+    from tearless.models.logprobs import distinct_rows
+
+    model = copy.deepcopy(model).double()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(10, 100, (5,), generator=g), torch.randint(10, 100, (7,), generator=g)]
+    r1, r2, r3 = (torch.randint(10, 100, (n,), generator=g) for n in (4, 6, 3))
+    rows = [(0, r1), (0, r1), (0, r2), (1, r3), (1, r3), (1, r3)]
+    prompt_ids = torch.zeros(6, 7, dtype=torch.long)
+    prompt_mask = torch.zeros(6, 7, dtype=torch.long)
+    response_ids = torch.full((6, 6), 3, dtype=torch.long)
+    response_mask = torch.zeros(6, 6, dtype=torch.long)
+    for i, (k, r) in enumerate(rows):
+        prompt_ids[i, 7 - len(prompts[k]) :], prompt_mask[i, 7 - len(prompts[k]) :] = prompts[k], 1
+        response_ids[i, : len(r)], response_mask[i, : len(r)] = r, 1
+    response_ids[1, 5] = 42  # past r1's end: not part of the sequence
+    rep, inverse = distinct_rows(prompt_ids, prompt_mask, response_ids, response_mask, response_mask.sum(-1))
+    assert len(rep) == 3 and inverse.tolist()[:2] == [inverse[0]] * 2 and len(set(inverse[3:].tolist())) == 1
+    assert (rep[inverse] != torch.arange(6)).sum() == 3  # rows 1, 4 and 5 (or their twins) are copies
+
+    weights = torch.tensor([1.0, -2.0, 0.5, 3.0, 1.5, -1.0], dtype=torch.float64)[:, None]
+    params = [p for p in model.parameters() if p.requires_grad]
+    forwarded = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: forwarded.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
+    lp = response_logprobs(model, prompt_ids, prompt_mask, response_ids, response_mask)[0]
+    hook.remove()
+    grads = torch.autograd.grad((lp * weights * response_mask).sum(), params)
+    assert forwarded[0] == 2 and sum(forwarded[1:]) == 3  # two prompts, then three distinct responses
+    separate, total = [], [torch.zeros_like(p) for p in params]
+    for i in range(6):
+        one = response_logprobs(
+            model, prompt_ids[i : i + 1], prompt_mask[i : i + 1], response_ids[i : i + 1],
+            response_mask[i : i + 1], share_prompts=False,
+        )[0]  # fmt: skip
+        separate.append(one.detach())
+        one_grads = torch.autograd.grad((one * weights[i] * response_mask[i]).sum(), params)
+        total = [t + g_ for t, g_ in zip(total, one_grads, strict=True)]
+    mask = response_mask.bool()
+    torch.testing.assert_close(lp.detach()[mask], torch.cat(separate)[mask], atol=1e-9, rtol=0)
+    assert (lp.detach()[~mask] == 0).all()
+    for a, b in zip(grads, total, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6 * float(b.abs().max()), rtol=0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 12), min_size=1, max_size=9),
