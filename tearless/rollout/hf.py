@@ -154,9 +154,10 @@ class HFRollout:
         row to its model row; every live output row draws its own token from its model row's
         distribution (independent draws, as with one model row per sample), then the output rows of a
         model row that drew different tokens split it, one model row per token (its cache rows
-        copied). Rows that finished are dropped with the next split, or once a quarter of the model
-        rows are idle. Greedy samples of one prompt therefore cost one row, and samples of a
-        confident policy little more.
+        copied). Once a split leaves at least half as many model rows as live samples, every sample
+        gets its own row and no split copies the cache again. Rows that finished are dropped with the
+        next split, or once a quarter of the model rows are idle. Greedy samples of one prompt
+        therefore cost one row, and samples of a confident policy little more.
         """
         device = next(self.model.parameters()).device
         ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
@@ -205,6 +206,10 @@ class HFRollout:
             keys, inverse = torch.unique(owner * vocab + tok, return_inverse=True)
             parent, step_tok = keys // vocab, keys % vocab
             split = bool((parent[1:] == parent[:-1]).any())
+            if split and 2 * len(parent) >= len(rows):
+                # Mostly distinct already: one row per sample from here on, so no split copies the
+                # cache again (samples that diverge early would otherwise pay one copy per step).
+                parent, step_tok, inverse = owner, tok, torch.arange(len(rows), device=device)
             if split or len(parent) <= 0.75 * len(logits):
                 cache.batch_select_indices(parent)
                 attn, next_pos, owner = attn[parent], next_pos[parent], inverse
