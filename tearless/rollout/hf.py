@@ -214,8 +214,9 @@ class HFRollout:
                 cache.batch_select_indices(parent)
                 attn, next_pos, owner = attn[parent], next_pos[parent], inverse
             else:  # no split and few idle rows: keep the batch, idle rows read a pad token
-                step_tok = torch.full((len(logits),), self.pad_token_id, dtype=torch.long, device=device)
-                step_tok[parent] = keys % vocab
+                by_row = torch.full((len(logits),), self.pad_token_id, dtype=torch.long, device=device)
+                by_row[parent] = step_tok
+                step_tok = by_row
             attn = torch.cat([attn, torch.ones((len(attn), 1), dtype=attn.dtype, device=device)], dim=1)
             out = self.model(
                 input_ids=step_tok[:, None],
