@@ -18,6 +18,13 @@ def doc(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+# trainer.keep_freed_memory, shared by the RL and the offline (SFT/DPO) trainer configs.
+KEEP_FREED_MEMORY_DOC = (
+    "glibc: serve blocks up to 32 MiB from the heap and never return its free top to the OS, so each "
+    "step reuses the last step's pages instead of faulting fresh ones in (faster; RSS stays at its peak)"
+)
+
+
 @dataclass
 class DataConfig:
     train_files: Any = doc(
@@ -364,11 +371,7 @@ class TrainerConfig:
     seed: int = doc(1, "seed of every random choice (sampling, shuffling, initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
-    keep_freed_memory: bool = doc(
-        True,
-        "glibc: serve blocks up to 32 MiB from the heap and never return its free top to the OS, so each "
-        "step reuses the last step's pages instead of faulting fresh ones in (faster; RSS stays at its peak)",
-    )
+    keep_freed_memory: bool = doc(True, KEEP_FREED_MEMORY_DOC)
     log_freq: int = doc(10, "print a metrics table every N steps")
     num_rollout_samples: int = doc(
         8, "rollout samples per step written to rollouts.jsonl.gz (tearless samples RUN_DIR); 0 = none"

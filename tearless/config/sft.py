@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tearless.config.schema import doc
+from tearless.config.schema import KEEP_FREED_MEMORY_DOC, doc
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 SCHEDULERS = ("constant", "cosine")
@@ -122,11 +122,7 @@ class OfflineTrainerConfig:
     seed: int = doc(1, "seed of every random choice (shuffling, the embedded model's initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
-    keep_freed_memory: bool = doc(
-        True,
-        "glibc: serve blocks up to 32 MiB from the heap and never return its free top to the OS, so each "
-        "step reuses the last step's pages instead of faulting fresh ones in (faster; RSS stays at its peak)",
-    )
+    keep_freed_memory: bool = doc(True, KEEP_FREED_MEMORY_DOC)
     log_freq: int = doc(50, "print a metrics table every N steps")
 
     def validate(self) -> None:

@@ -192,7 +192,7 @@ class HFRollout:
             else:
                 tok = scaled.argmax(-1)[owner]
             tokens[rows, t] = tok
-            logps[rows, t] = (scaled[owner, tok] - torch.logsumexp(scaled, dim=-1)[owner]).float()
+            logps[rows, t] = scaled[owner, tok] - torch.logsumexp(scaled, dim=-1)[owner]
             ents[rows, t] = entropy_from_logits(scaled)[owner]
             mask[rows, t] = 1
             width = t + 1
