@@ -51,16 +51,18 @@ def bare_decode(model, ids: torch.Tensor, attn: torch.Tensor, steps: int, genera
     """The practical ceiling of decoding: prefill, then ``steps`` one-token forwards of the whole batch."""
     from transformers import DynamicCache
 
+    from tearless.models.compat import cache_kwargs
+
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                logits_to_keep=1)  # fmt: skip
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, logits_to_keep=1,
+                **cache_kwargs(model, cache))  # fmt: skip
     pos = positions[:, -1:]
     for _ in range(steps - 1):
         tok = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1, generator=generator)
         attn = torch.cat([attn, torch.ones_like(tok)], dim=1)
         pos = pos + 1
-        out = model(input_ids=tok, attention_mask=attn, position_ids=pos, past_key_values=cache)
+        out = model(input_ids=tok, attention_mask=attn, position_ids=pos, **cache_kwargs(model, cache))
     torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1, generator=generator)
     return ids.shape[0] * steps
 

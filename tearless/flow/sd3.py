@@ -82,7 +82,7 @@ def load_sd3(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> 
                 f"{root} has no {sub}/ folder; point at a diffusers SD3 pipeline directory"
             )
     transformer = diffusers.SD3Transformer2DModel.from_pretrained(
-        root, subfolder="transformer", torch_dtype=dtype
+        root, subfolder="transformer", dtype=dtype
     )
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(root, subfolder="scheduler")
     return SD3Velocity(transformer, scheduler.config.num_train_timesteps), scheduler
@@ -96,7 +96,7 @@ def load_sd3_pipeline(
     diffusers = _diffusers()
     defaults = {"feature_extractor": None, "image_encoder": None}
     return diffusers.StableDiffusion3Pipeline.from_pretrained(
-        path, torch_dtype=dtype, local_files_only=True, **{**defaults, **components}
+        path, dtype=dtype, local_files_only=True, **{**defaults, **components}
     )
 
 

@@ -28,6 +28,7 @@ import functools
 import torch
 
 from tearless.algos import entropy_from_logits, logprobs_from_logits
+from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
 
 # What one more forward costs, in response tokens: an extra bucket must save more padding than this.
@@ -73,10 +74,7 @@ def response_logprobs(
     rows, width = response_ids.shape
     lengths = attended_lengths(response_mask)
     # A KV cache under activation checkpointing is switched off by transformers: use the plain pass.
-    checkpointing = getattr(model, "is_activation_checkpointing", None)
-    if checkpointing is None:
-        checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    checkpointing = checkpointing and torch.is_grad_enabled()
+    checkpointing = activation_checkpointing(model) and torch.is_grad_enabled()
     # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and how a rank's
     # rows share prompts and bucket by length differs between ranks: they all take the plain pass.
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -219,9 +217,8 @@ def _fast_logits(
         input_ids=p_ids,
         attention_mask=p_mask,
         position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache,
-        use_cache=True,
         logits_to_keep=1,
+        **cache_kwargs(model, cache),
     )
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
@@ -246,9 +243,8 @@ def _fast_logits(
             input_ids=response_ids[index, : width - 1],
             attention_mask=mask,
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :],
-            past_key_values=bucket_cache,
-            use_cache=True,
             logits_to_keep=width - 1,
+            **cache_kwargs(model, bucket_cache),
         )
         pieces.append((index, torch.cat([first, out.logits], dim=1)))
     return pieces

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tearless.algos import entropy_from_logits
+from tearless.models.compat import cache_kwargs
 
 
 @dataclass
@@ -169,9 +170,8 @@ class HFRollout:
             input_ids=ids,
             attention_mask=attn,
             position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
             logits_to_keep=1,
+            **cache_kwargs(self.model, cache),
         )
         logits = out.logits[:, -1, :].float()
         batch = len(prompts) * n
@@ -222,8 +222,7 @@ class HFRollout:
                 input_ids=step_tok[:, None],
                 attention_mask=attn,
                 position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
+                **cache_kwargs(self.model, cache),
             )
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
