@@ -69,8 +69,12 @@ def test_freed_memory_is_reused_without_page_faults() -> None:
     got = probe(threads=1, keep=True)
     # glibc's default gives the heap's free top back after a backward and faults it in again at the
     # next forward (1,500-4,500 pages of 4 KiB per step here, ~7,000 on the small benchmark case).
+    # With the setting the step reuses the freed memory: about 1 fault per step in isolation, but a
+    # loaded machine (the full suite, another process sharing the cores) adds unrelated faults, up to
+    # ~100 seen, so an absolute ceiling is flaky. The claim is a relative one: at least a 10x drop
+    # (a malloc left alone faults in the same ~before pages again and fails it by a wide margin).
     assert got["before"] >= 100
-    assert got["after"] <= 20
+    assert got["after"] <= got["before"] / 10, got
     assert got["threads"] == 1
 
 

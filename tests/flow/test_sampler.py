@@ -17,6 +17,7 @@ from tearless.flow.sampler import (
     step_params,
 )
 from tests.flow.helpers import GaussianFlow
+from tests.tolerances import sum_tol
 
 
 def test_sigma_schedule_hand_values():
@@ -82,7 +83,10 @@ def test_sde_preserves_the_marginals_of_an_exact_flow():
         assert x.std().item() == pytest.approx(0.5, abs=0.02)
     # Noise level 0 makes the SDE the Euler ODE: same draws, same samples.
     zero = sample_sde(flow, cond, noise, sigma_schedule(50), noise_level=1e-12, generator=g).samples
-    assert torch.allclose(zero, ode, atol=1e-5)
+    # Not bit for bit: the SDE's step adds its (1e-12-sized) corrections in another order. 50 steps
+    # of about 10 float32 operations each (velocity, step) on values the size of the samples.
+    atol = sum_tol(50 * 10, float(ode.abs().max()))
+    torch.testing.assert_close(zero, ode, atol=atol, rtol=0)
 
 
 def test_cfg_on_and_off():
@@ -114,5 +118,7 @@ def test_cfg_gradient_flows_only_through_the_conditional_branch():
     got = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     (w * model(x, torch.full((3,), 0.5), cond)).sum().backward()
+    # Exactly: the same forward of the same rows, and the same upstream gradient w·1 into v_c (the
+    # unconditional branch has none), so the same backward.
     for a, p in zip(got, model.parameters(), strict=True):
-        assert torch.allclose(a, p.grad, atol=1e-6)
+        assert torch.equal(a, p.grad)

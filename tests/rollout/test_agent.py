@@ -20,6 +20,7 @@ from tearless.rollout.hf import HFRollout, RolloutOutput, left_pad
 from tearless.tasks.multihop import TAGS
 from tearless.tasks.tokenizer import build_char_tokenizer
 from tearless.tools import Tool
+from tests.tolerances import logprob_tol
 
 
 class ScriptedEngine:
@@ -130,7 +131,8 @@ def test_two_hop_trajectory_is_one_sequence_with_tool_output_masked(tok):
         6,
     ]
     assert out.response_mask.sum(-1).tolist() == [5 + 5 + 6, 6]
-    # Sampler log-probs are kept on model tokens and are 0 on tool tokens.
+    # Sampler log-probs are kept on model tokens and are 0 on tool tokens (exactly: the fake engine's
+    # −0.5, copied, and zeros).
     assert torch.equal(out.log_probs, -0.5 * out.response_mask.float())
     assert not out.truncated.any()
     assert res.rows[0]["tool_calls"] == [
@@ -323,7 +325,10 @@ def test_real_model_rollout_log_probs_match_the_trainers_forward_across_tool_out
             model, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_attention_mask
         )
     m = out.response_mask.bool()
-    assert torch.allclose(lp[m], out.log_probs[m], atol=1e-5)
+    # Incremental KV-cache decoding against one pass: the same maths, other summation orders. This
+    # random-init model's logits stay below 1 (init std 0.02 over 32 hidden units; max 0.84 measured).
+    atol = logprob_tol(model.config, logit_bound=1.0)
+    torch.testing.assert_close(lp[m], out.log_probs[m], atol=atol, rtol=0)
     assert (out.log_probs[~m] == 0).all()
 
 

@@ -90,7 +90,8 @@ def test_adaptive_kl_coefficient_moves_towards_the_target(overrides, tmp_path, t
     assert coeffs[0] == pytest.approx(0.1)
     steps = [b - a for a, b in itertools.pairwise(coeffs)]
     if direction > 0:
-        # Step 1 has KL exactly 0 (policy = reference), so β first falls, then rises as KL grows.
+        # Step 1 has KL 0 to rounding (policy = reference), so β first falls, then rises as KL grows
+        # (the checks compare the later coefficients only: they do not rely on step 1's rounding).
         assert coeffs[-1] > coeffs[1] and steps[-1] > 0
     else:
         assert all(s < 0 for s in steps)
