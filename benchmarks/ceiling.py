@@ -89,6 +89,7 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
     from tearless.config.schema import ActorConfig
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.hf import HFRollout, left_pad
+    from tearless.rollout.seeds import prompt_keys
     from tearless.workers.actor import Actor
 
     tok = load_tokenizer(case.model_dir)
@@ -103,7 +104,8 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
     for r in range(repeats + 1):  # the first repeat warms up and is dropped
         gen = torch.Generator().manual_seed(seed + r)
         start = time.perf_counter()
-        out = rollout.generate(prompts, n=case.n, max_new_tokens=case.max_new_tokens, generator=gen)
+        keys = prompt_keys(seed + r, 0, 0, len(prompts))
+        out = rollout.generate(prompts, n=case.n, max_new_tokens=case.max_new_tokens, keys=keys)
         t_ours = time.perf_counter() - start
         useful = int(out.response_mask.sum())
         ids, attn = left_pad([p for p in prompts for _ in range(case.n)], tok.pad_token_id)

@@ -51,6 +51,7 @@ def main() -> None:
     from tearless.config.schema import ActorConfig
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.hf import HFRollout
+    from tearless.rollout.seeds import prompt_keys
     from tearless.workers.actor import Actor
 
     case = make_case(args.case)
@@ -71,7 +72,7 @@ def main() -> None:
                 prompts,
                 n=case.n,
                 max_new_tokens=case.max_new_tokens,
-                generator=torch.Generator().manual_seed(pair),
+                keys=prompt_keys(pair, 0, 0, len(prompts)),
             )
             seconds[name].append(time.perf_counter() - start)
             hook.remove()

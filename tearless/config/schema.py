@@ -195,6 +195,18 @@ class RolloutConfig:
         True, "vllm: put the engine to sleep (weights and KV cache released) while training runs"
     )
     weight_sync_timeout_s: float = doc(600.0, "vllm: seconds allowed to load updated weights into the engine")
+    dtype: str | None = doc(
+        None,
+        "dtype of a rollout engine's own copy of the policy (vllm, or split rollout workers); null = "
+        "bfloat16 on GPU, float32 on CPU. The built-in engine of the hybrid placement samples from the "
+        "trained weights themselves",
+    )
+    nnodes: int = doc(0, "split placement (ray): nodes of the separate rollout workers; 0 = hybrid engine")
+    n_gpus_per_node: int = doc(
+        0,
+        "split placement (ray): rollout workers per node (GPUs, or processes on CPU); they receive the "
+        "policy over a broadcast group after every update. 0 = the training workers generate (hybrid)",
+    )
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
@@ -400,6 +412,24 @@ class TrainerConfig:
     worker_timeout_s: float = doc(
         600.0, "ray: limit on every wait for workers (a call, a collective, a weight sync) in seconds"
     )
+    num_cpus_per_worker: int = doc(1, "ray: CPUs each worker process reserves (its placement-group bundle)")
+
+
+@dataclass
+class RuntimeEnvConfig:
+    env_vars: dict = doc({}, "environment variables of every Ray worker process (NCCL_*, HF_HOME, …)")
+
+
+@dataclass
+class RayInitConfig:
+    address: str | None = doc(
+        None,
+        "Ray cluster to join (auto, ray://host:10001, host:6379); null = RAY_ADDRESS, or a local cluster",
+    )
+    num_cpus: int | None = doc(
+        None, "CPUs of a local cluster; null = max(cores, workers × trainer.num_cpus_per_worker)"
+    )
+    runtime_env: RuntimeEnvConfig = field(default_factory=RuntimeEnvConfig)
 
 
 @dataclass
@@ -427,4 +457,5 @@ class Config:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     task: TaskConfig = field(default_factory=TaskConfig)

@@ -341,6 +341,20 @@ def _validate_placement(cfg: Config) -> None:
     _positive("trainer.nnodes", t.nnodes)
     _positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
     _positive("trainer.worker_timeout_s", t.worker_timeout_s)
+    _positive("trainer.num_cpus_per_worker", t.num_cpus_per_worker)
+    if cfg.ray_init.num_cpus is not None:
+        _positive("ray_init.num_cpus", cfg.ray_init.num_cpus)
+    _positive("actor_rollout_ref.rollout.nnodes", rollout.nnodes, allow_zero=True)
+    _positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node, allow_zero=True)
+    if (rollout.nnodes == 0) != (rollout.n_gpus_per_node == 0):
+        _fail(
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            f"separate rollout workers need both rollout.nnodes and rollout.n_gpus_per_node > 0, got "
+            f"{rollout.nnodes} and {rollout.n_gpus_per_node}",
+            "Set both (the split placement) or both to 0 (the training workers generate).",
+        )
+    if rollout.dtype is not None:
+        _one_of("actor_rollout_ref.rollout.dtype", rollout.dtype, ("float32", "bfloat16", "float16"))
     world = t.nnodes * t.n_gpus_per_node
     if t.placement == "local" and world != 1:
         _fail(
@@ -349,26 +363,18 @@ def _validate_placement(cfg: Config) -> None:
             "Set trainer.placement=ray (or auto) to use several workers, or nnodes=1 n_gpus_per_node=1.",
         )
     ray_run = t.placement == "ray" or (t.placement == "auto" and world > 1)
+    if rollout.nnodes * rollout.n_gpus_per_node > 0 and not ray_run:
+        _fail(
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            "separate rollout workers are Ray workers, and this run has the single-process placement",
+            "Set trainer.placement=ray, or rollout.nnodes=0 rollout.n_gpus_per_node=0.",
+        )
     if ray_run:
         if importlib.util.find_spec("ray") is None:
             _fail(
                 "trainer.placement",
                 f"{world} workers need Ray, which is not installed",
                 "pip install 'tearless[distributed]' (or ray), or set trainer.n_gpus_per_node=1.",
-            )
-        per_rank = cfg.data.train_batch_size * rollout.n
-        if per_rank < world:
-            _fail(
-                "trainer.n_gpus_per_node",
-                f"a step's {per_rank} responses cannot give each of {world} workers one row",
-                "Use fewer workers or a larger data.train_batch_size.",
-            )
-        mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * rollout.n
-        if mini < world:
-            _fail(
-                "actor_rollout_ref.actor.ppo_mini_batch_size",
-                f"a mini-batch of {mini} responses cannot give each of {world} workers one row",
-                "Raise ppo_mini_batch_size or use fewer workers.",
             )
     for key, fsdp in [
         ("actor_rollout_ref.actor.fsdp_config.param_dtype", cfg.actor_rollout_ref.actor.fsdp_config),
@@ -398,7 +404,14 @@ def _validate_placement(cfg: Config) -> None:
                 f"must be in (0, 1], got {rollout.gpu_memory_utilization}",
                 "0.5 leaves half the GPU to training in a colocated run.",
             )
-        _positive("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size)
+        if rollout.tensor_model_parallel_size != 1:
+            _fail(
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                f"each worker owns one vLLM engine on its own GPU and loads the new weights in its own "
+                f"process; an engine spanning {rollout.tensor_model_parallel_size} GPUs would need them "
+                "pickled to its other processes",
+                "Set it to 1: every GPU generates its share of the prompts (data-parallel rollout).",
+            )
         _positive("actor_rollout_ref.rollout.weight_sync_timeout_s", rollout.weight_sync_timeout_s)
 
 
@@ -414,7 +427,6 @@ def _validate_multi_turn(cfg: Config) -> None:
     _positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
     if not mt.enable:
         return
-    from tearless.distributed import uses_ray
 
     if cfg.actor_rollout_ref.rollout.name != "hf":
         _fail(
@@ -422,13 +434,6 @@ def _validate_multi_turn(cfg: Config) -> None:
             "the agent loop drives the built-in engine (it stops each turn at the call tags); it is not "
             f"wired to rollout.name={cfg.actor_rollout_ref.rollout.name} yet",
             "Set actor_rollout_ref.rollout.name=hf.",
-        )
-    if uses_ray(cfg):
-        _fail(
-            f"{key}.enable",
-            "multi-turn rollouts are not wired to the Ray placement yet (its workers do not carry the "
-            "separate attention mask of tool output)",
-            "Set trainer.placement=local (nnodes=1, n_gpus_per_node=1).",
         )
     if mt.tool_config_path is None and cfg.task.name != "multihop":
         _fail(
@@ -464,20 +469,6 @@ def _validate_lora(cfg: Config) -> None:
                 "Set actor_rollout_ref.model.lora_rank > 0 or drop lora_save_merged.",
             )
         return
-    from tearless.distributed import uses_ray
-
-    if uses_ray(cfg):
-        _fail(
-            "actor_rollout_ref.model.lora_rank",
-            "LoRA runs in the single-process placement only (the Ray/FSDP workers do not load adapters)",
-            "Set trainer.placement=local (nnodes=1 n_gpus_per_node=1) or lora_rank=0.",
-        )
-    if cfg.actor_rollout_ref.rollout.name != "hf":
-        _fail(
-            "actor_rollout_ref.model.lora_rank",
-            f"the adapters are not synced to the {cfg.actor_rollout_ref.rollout.name} rollout engine",
-            "Use actor_rollout_ref.rollout.name=hf or lora_rank=0.",
-        )
     _positive("actor_rollout_ref.model.lora_alpha", m.lora_alpha)
     targets = m.target_modules
     names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets or [])

@@ -1,7 +1,7 @@
-"""Scale-out: the RL trainer's workers as Ray actors over FSDP2-sharded models.
+"""Scale-out: the RL trainer's worker ranks as Ray actors over FSDP2-sharded models.
 
-Light to import: the Ray and FSDP machinery (``tearless.distributed.placement``, ``.group``,
-``.worker``, ``.fsdp``) is imported only by a run with ``trainer.placement=ray``.
+Light to import: the Ray and FSDP machinery (``tearless.distributed.ray_group``, ``.fsdp``,
+``.weight_sync``) is imported only by a run with ``trainer.placement=ray`` (or sharded ranks).
 """
 
 from __future__ import annotations

@@ -1,16 +1,17 @@
-"""FSDP2 for tearless's models: sharding, gradient clipping, state gathering and DCP checkpoints.
+"""FSDP2 for tearless's models: sharded loading, gradient clipping, gathering for generation.
 
 ``shard_model`` applies ``torch.distributed.fsdp.fully_shard`` to each transformer block and then to
 the root, as the FSDP2 docs recommend: a block's parameters are all-gathered just before its forward
 and freed after it, so peak memory holds one full block rather than the whole model. Gradients are
 reduce-scattered and averaged over the ranks; a rank's loss normalised by *global* token or
-sequence counts must therefore be multiplied by the world size (see ``tearless.distributed.worker``).
+sequence counts must therefore be multiplied by the world size (see :mod:`tearless.workers.schedule`).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -89,38 +90,70 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
                 state[key] = value.to(device, non_blocking=True)
 
 
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded parameters and buffers on CPU, on rank 0 (an empty dict on the other ranks).
-
-    A collective: every rank of the group must call it.
+def shard_from_rank0(
+    build: Callable[[bool], torch.nn.Module],
+    mesh,
+    *,
+    rank: int,
+    device: torch.device | str,
+    **shard_kwargs: Any,
+) -> torch.nn.Module:
+    """A sharded model whose weights only rank 0 read: ``build(True)`` loads them on rank 0 (in CPU
+    memory), ``build(False)`` builds the same architecture on the meta device elsewhere (no memory);
+    every rank applies :func:`shard_model`, allocates its shards on ``device`` and receives them
+    from rank 0 (``set_model_state_dict`` with ``broadcast_from_rank0``), then the buffers (rotary
+    frequencies are not in a state dict) are broadcast too. A collective.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model = build(rank == 0)
+    full = model.state_dict() if rank == 0 else {}
+    buffers = dict(model.named_buffers()) if rank == 0 else {}
+    shard_model(model, mesh, **shard_kwargs)
+    model.to_empty(device=device)
+    set_model_state_dict(
+        model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if rank == 0:
+                buffer.copy_(buffers[name])
+            dist.broadcast(buffer, src=0)
+    return model
 
 
-def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Write the sharded optimizer state with ``torch.distributed.checkpoint`` (each rank its shard).
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` wrapped (none for an unsharded model)."""
+    from torch.distributed.fsdp import FSDPModule
 
-    DCP stores every tensor with its global shape and each shard's offsets, so :func:`load_optimizer`
-    can read it back on a different number of ranks. A collective.
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def gathered(model: torch.nn.Module, reshard_after_forward: bool = True) -> Iterator[None]:
+    """Hold the full parameters on this rank for a while (generation with the weights being trained).
+
+    Every FSDP module is unsharded (one all-gather each) and stays so across forwards, so that ranks
+    may then run different numbers of forwards (each generates its own prompts, to its own lengths)
+    with no collective among them; on exit the shards are restored. A no-op for an unsharded model.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    modules = fsdp_modules(model)
+    if not modules:
+        yield
+        return
+    for m in modules:
+        m.unshard()
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(reshard_after_forward)
+        for m in modules:
+            m.reshard()
 
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(path))
 
-
-def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike) -> None:
-    """Read an optimizer state written by :func:`save_optimizer`, resharded to this group's ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    if not (Path(path) / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"{path}: no torch.distributed.checkpoint metadata; this checkpoint was not written by a "
-            "trainer.placement=ray run (resume it with the placement that wrote it)"
-        )
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly DTensor-sharded) tensor; an all-gather for a DTensor, so every rank of
+    its mesh must call it for the same tensors in the same order."""
+    return t.full_tensor() if isinstance(t, DTensor) else t

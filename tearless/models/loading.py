@@ -85,14 +85,22 @@ def load_causal_lm(
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
     key: str = "actor_rollout_ref.model.path",
+    meta: bool = False,
 ) -> torch.nn.Module:
-    """Load ``AutoModelForCausalLM`` from a local directory in the given dtype."""
-    from transformers import AutoModelForCausalLM
+    """Load ``AutoModelForCausalLM`` from a local directory in the given dtype; with ``meta``, build
+    its architecture on the meta device instead (no weights read, no memory: the sharded loading of
+    :func:`tearless.distributed.fsdp.shard_from_rank0` fills it)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    path = check_model_dir(path, key)
     with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
-            str(check_model_dir(path, key)), dtype=resolve_dtype(dtype)
-        )
+        if meta:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(str(path)), dtype=resolve_dtype(dtype)
+                )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
         model.config.use_cache = False

@@ -7,14 +7,13 @@ model is held; the optimizer holds moments for the adapters only.
 
 Checkpoints write the adapter (``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
 ``peft.PeftModel.from_pretrained`` on the base model) and, on request, the merged model
-:math:`W + \frac{\alpha}{r} B A` as a plain ``save_pretrained`` directory, computed without touching
-the live weights (merging in place and back would leave rounding drift in :math:`W`).
+:math:`W + \frac{\alpha}{r} B A` as a plain ``save_pretrained`` directory
+(:mod:`tearless.models.weights`, which also feeds merged weights to a separate rollout engine).
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,44 +93,6 @@ def is_lora(model: torch.nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, peft.PeftModel)
-
-
-def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    r"""The base model's state dict with every LoRA layer's weight replaced by :math:`W + \Delta W`.
-
-    Keys are those of the plain base model (``model.layers.0.self_attn.q_proj.weight``), so the
-    result loads into ``AutoModelForCausalLM`` directly.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    merged: dict[str, torch.Tensor] = {}
-    lora_prefixes = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            lora_prefixes[name] = module
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
-            continue
-        merged[key.replace(".base_layer.", ".")] = value.detach()  # tied weights stay shared
-    for name, module in lora_prefixes.items():
-        delta = sum(module.get_delta_weight(a) for a in module.active_adapters)
-        merged[f"{name}.weight"] = (module.base_layer.weight + delta).detach()
-    return merged
-
-
-class MergedLoraView:
-    """Something with ``save_pretrained(path)`` that writes the merged model and its tokenizer, for
-    :func:`tearless.trainers.checkpoint.save_checkpoint`'s ``extra_models``."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer: Any) -> None:
-        self.model, self.tokenizer = model, tokenizer
-
-    @torch.no_grad()
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        base = self.model.get_base_model()
-        base.save_pretrained(Path(path), state_dict=merged_state_dict(self.model))
-        self.tokenizer.save_pretrained(Path(path))
 
 
 def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:

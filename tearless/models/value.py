@@ -28,8 +28,10 @@ def load_value_model(
     dtype: str = "float32",
     gradient_checkpointing: bool = False,
     key: str = "critic.model.path",
+    meta: bool = False,
 ) -> torch.nn.Module:
-    """A one-label token-classification model from ``path``; the head is zeroed if it is new.
+    """A one-label token-classification model from ``path``; the head is zeroed if it is new. With
+    ``meta``, the architecture only, on the meta device (see :func:`~tearless.models.loading.load_causal_lm`).
 
     The classifier dropout that transformers adds before the head (0.1 for Llama when the config
     names none) is turned off, as veRL does for its critics: it made the values, and so GAE's
@@ -43,10 +45,14 @@ def load_value_model(
     config.num_labels = 1
     config.classifier_dropout = 0.0
     with quiet_transformers():
-        model = AutoModelForTokenClassification.from_pretrained(
-            str(path), config=config, dtype=resolve_dtype(dtype)
-        )
-    if not is_value_model:
+        if meta:
+            with torch.device("meta"):
+                model = AutoModelForTokenClassification.from_config(config, dtype=resolve_dtype(dtype))
+        else:
+            model = AutoModelForTokenClassification.from_pretrained(
+                str(path), config=config, dtype=resolve_dtype(dtype)
+            )
+    if not is_value_model and not meta:
         head = model.score if hasattr(model, "score") else model.classifier  # Llama/Qwen vs BERT-style names
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tearless.rollout.hf import HFRollout, RolloutOutput, left_pad
+from tearless.rollout.seeds import mix, sample_keys
 from tearless.tools import ToolCall, ToolLike, function_schema, run_calls
 from tearless.tools.base import first_string_parameter
 
@@ -202,6 +204,7 @@ class HermesFormat:
 @dataclass
 class _Trajectory:
     prompt: list[int]
+    key: int = 0
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
@@ -239,13 +242,27 @@ class AgentLoop:
         self.eos = set(engine.eos.tolist())
 
     def generate(
-        self, items: list[dict], *, n: int = 1, max_new_tokens: int = 64, **sampling: Any
+        self,
+        items: list[dict],
+        *,
+        n: int = 1,
+        max_new_tokens: int = 64,
+        keys: Sequence[int] | None = None,
+        **sampling: Any,
     ) -> AgentRollout:
         """``n`` trajectories per item (rows of an item adjacent), each at most ``max_new_tokens``
-        response tokens (model and tool tokens together). ``sampling`` goes to the engine."""
+        response tokens (model and tool tokens together). ``sampling`` goes to the engine.
+
+        ``keys`` (one per item, :mod:`tearless.rollout.seeds`): trajectory j of item i samples turn t
+        with the key ``mix(mix(keys[i], j), t)``, so it draws the same tokens in any batch."""
         s, limit = self.settings, max_new_tokens
         prompts = [self.fmt.prompt_ids(it) for it in items]
-        rows = [_Trajectory(list(p)) for p in prompts for _ in range(n)]
+        if keys is None:
+            keys = torch.randint(0, 2**62, (len(items),)).tolist()
+        rows = [
+            _Trajectory(list(p), key=k)
+            for p, k in zip([p for p in prompts for _ in range(n)], sample_keys(keys, n), strict=True)
+        ]
         for turn in range(1, s.max_assistant_turns + 1):
             active = [r for r in rows if not r.done]
             if not active:
@@ -254,6 +271,7 @@ class AgentLoop:
                 [r.prompt + r.ids for r in active],
                 n=1,
                 max_new_tokens=max(limit - len(r.ids) for r in active),
+                keys=[mix(r.key, turn) for r in active],
                 stop_sequences=self.stops,
                 **sampling,
             )
@@ -338,23 +356,32 @@ class AgentLoop:
             truncated=torch.tensor([r.truncated for r in rows]),
             response_attention_mask=attention,
         )
-        info = [{"tool_calls": r.calls, "num_turns": r.turns, "answered": r.answered} for r in rows]
-        return AgentRollout(out, info, self._metrics(rows, mask, attention))
+        info = [
+            {
+                "tool_calls": r.calls,
+                "num_turns": r.turns,
+                "answered": r.answered,
+                "invalid": r.invalid,
+                "tool_truncated": r.tool_truncated,
+            }
+            for r in rows
+        ]
+        return AgentRollout(out, info, agent_metrics(info, mask, attention))
 
-    @staticmethod
-    def _metrics(rows: list[_Trajectory], mask: torch.Tensor, attention: torch.Tensor) -> dict[str, float]:
-        turns = torch.tensor([float(r.turns) for r in rows])
-        calls = torch.tensor([float(len(r.calls)) for r in rows])
-        return {
-            "multi_turn/num_turns/mean": float(turns.mean()),
-            "multi_turn/num_turns/max": float(turns.max()),
-            "multi_turn/num_turns/min": float(turns.min()),
-            "multi_turn/tool_calls/mean": float(calls.mean()),
-            "multi_turn/tool_errors": float(sum(c["error"] for r in rows for c in r.calls)),
-            "multi_turn/invalid_actions": float(sum(r.invalid for r in rows)),
-            "multi_turn/tool_response_truncated": float(sum(r.tool_truncated for r in rows)),
-            "multi_turn/answered": sum(r.answered for r in rows) / len(rows),
-            "multi_turn/tool_token_share": float(
-                (attention.sum() - mask.sum()) / attention.sum().clamp(min=1)
-            ),
-        }
+
+def agent_metrics(rows: list[dict], mask: torch.Tensor, attention: torch.Tensor) -> dict[str, float]:
+    """``multi_turn/*`` metrics of trajectories: ``rows`` as :class:`AgentRollout` gives them, with their
+    loss mask and attention mask (B, R), so a batch gathered from several workers gets its metrics once."""
+    turns = torch.tensor([float(r["num_turns"]) for r in rows])
+    calls = torch.tensor([float(len(r["tool_calls"])) for r in rows])
+    return {
+        "multi_turn/num_turns/mean": float(turns.mean()),
+        "multi_turn/num_turns/max": float(turns.max()),
+        "multi_turn/num_turns/min": float(turns.min()),
+        "multi_turn/tool_calls/mean": float(calls.mean()),
+        "multi_turn/tool_errors": float(sum(c["error"] for r in rows for c in r["tool_calls"])),
+        "multi_turn/invalid_actions": float(sum(r["invalid"] for r in rows)),
+        "multi_turn/tool_response_truncated": float(sum(r["tool_truncated"] for r in rows)),
+        "multi_turn/answered": sum(r["answered"] for r in rows) / len(rows),
+        "multi_turn/tool_token_share": float((attention.sum() - mask.sum()) / attention.sum().clamp(min=1)),
+    }

@@ -9,12 +9,14 @@ log-probabilities of the sampled tokens under the temperature-scaled distributio
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tearless.algos import entropy_from_logits
 from tearless.models.compat import cache_kwargs
+from tearless.rollout.seeds import inverse_cdf, sample_keys, uniforms
 
 
 @dataclass
@@ -92,6 +94,14 @@ class HFRollout:
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad_token_id = pad_token_id
 
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy named tensors (the plain model's state-dict names) into the sampled model: how a
+        separate rollout worker takes the policy broadcast after each update."""
+        state = self.model.state_dict()
+        for name, tensor in weights:
+            state[name].copy_(tensor)
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -102,7 +112,7 @@ class HFRollout:
         top_p: float = 1.0,
         top_k: int = -1,
         do_sample: bool = True,
-        generator: torch.Generator | None = None,
+        keys: Sequence[int] | None = None,
         stop_sequences: list[list[int]] | None = None,
     ) -> RolloutOutput:
         """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
@@ -113,7 +123,13 @@ class HFRollout:
 
         A response ends at an EOS token or, when ``stop_sequences`` are given, right after it has
         produced one of those token sequences (kept in the response, like an EOS).
+
+        ``keys`` (one per prompt, :mod:`tearless.rollout.seeds`) fix each sample's random numbers:
+        sample j of prompt i draws the tokens its key ``mix(keys[i], j)`` gives, in any batch. Without
+        them, keys are drawn from torch's global generator.
         """
+        if do_sample and keys is None:
+            keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
         was_training = self.model.training
         self.model.eval()
         expanded = [p for p in prompts for _ in range(n)]
@@ -128,7 +144,7 @@ class HFRollout:
                     top_p,
                     top_k,
                     do_sample,
-                    generator,
+                    keys,
                     stop_sequences,
                 )
         finally:
@@ -145,7 +161,7 @@ class HFRollout:
         )
 
     def _decode(
-        self, prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, generator, stop_sequences
+        self, prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, keys, stop_sequences
     ):
         """The decode loop: (B, T) tokens, log-probs, entropies and mask and the (B,) EOS flags,
         T ≤ max_new_tokens.
@@ -162,6 +178,7 @@ class HFRollout:
         """
         device = next(self.model.parameters()).device
         ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
+        draws = uniforms(sample_keys(keys, n), max_new_tokens).to(device) if do_sample else None
         eos = self.eos.to(device)
         stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -188,7 +205,7 @@ class HFRollout:
             scaled = logits / temperature if do_sample or temperature > 0 else logits
             if do_sample:
                 probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
-                tok = _draw(probs, owner, generator)
+                tok = inverse_cdf(probs, owner, draws[rows, t])
             else:
                 tok = scaled.argmax(-1)[owner]
             tokens[rows, t] = tok
@@ -227,18 +244,6 @@ class HFRollout:
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
         return tokens[:, :width], logps[:, :width], ents[:, :width], mask[:, :width], finished
-
-
-def _draw(probs: torch.Tensor, owner: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One independent token per output row from its model row's distribution: ``probs`` (U, V),
-    ``owner`` (B,) → (B,). Model row u draws as many tokens (with replacement) as it has output rows,
-    handed out in output-row order."""
-    counts = torch.bincount(owner, minlength=probs.shape[0])
-    draws = torch.multinomial(probs, int(counts.max()), replacement=True, generator=generator)
-    order = torch.argsort(owner, stable=True)
-    rank = torch.empty_like(owner)
-    rank[order] = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[owner[order]]
-    return draws[owner, rank]
 
 
 # Below this many positions the stock cache's copies are cheaper than attention over buffer views.

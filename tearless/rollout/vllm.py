@@ -1,13 +1,16 @@
 """The vLLM rollout engine (``actor_rollout_ref.rollout.name=vllm``): GPU generation with per-token
-log-probs, sleep mode around training, and weight sync from the trainer.
+log-probs, sleep mode around training, and the new weights loaded in the worker's own process.
 
-vLLM needs a CUDA GPU and a torch build matching its wheel; it cannot be installed on the CPU
-machines this project is developed on, so this engine has only been written against vLLM's public
-API (``LLM``, ``SamplingParams``, ``LLM.sleep``/``wake_up``, ``LLM.reset_prefix_cache``) and is
+vLLM needs a CUDA GPU and a torch build matching its wheel (vLLM 0.33 pins torch 2.14.0); it cannot
+be installed on the CPU machines this project is developed on, so this engine has been written
+against vLLM's public API as of 0.33 (``LLM``, ``SamplingParams``, ``LLM.sleep``/``wake_up``,
+``LLM.collective_rpc``, ``LLM.reset_prefix_cache``, the ``logprobs_mode`` engine argument) and is
 tested only where ``import vllm`` works (``tests/rollout/test_vllm.py``, skipped elsewhere).
 
-The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that updated
-weights can be loaded into its model in place (``model.load_weights``), without a disk round trip.
+Each worker owns one engine on its GPU, in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+the engine core and its single worker run in this process), so ``collective_rpc`` with a function
+runs that function on the engine's worker here: the trainer's tensors go to the engine model's
+``load_weights`` by reference, one at a time, with no pickling and no CPU round trip.
 Log-probs are requested as ``processed_logprobs``: those of the temperature-scaled distribution the
 tokens were drawn from, which is what the trainer recomputes for the PPO ratio (with top-k/top-p
 off; with them on, vLLM's log-probs are those of the filtered distribution). Their mismatch with
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -82,7 +85,7 @@ class VLLMRollout:
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=cfg.tensor_model_parallel_size,
+            tensor_parallel_size=1,
             enable_sleep_mode=cfg.free_cache_engine,
             logprobs_mode="processed_logprobs",
         )
@@ -104,12 +107,9 @@ class VLLMRollout:
             self.asleep, self.weights_awake = False, True
 
     # ------------------------------------------------------------------ weights
-    def _model(self) -> torch.nn.Module:
-        return self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the trainer's consolidated weights into the engine (``load_weights`` takes Hugging
-        Face parameter names and fuses q/k/v and gate/up itself), within
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load named tensors (Hugging Face parameter names; ``load_weights`` fuses q/k/v and gate/up
+        itself) into the engine's model in this process, within
         ``actor_rollout_ref.rollout.weight_sync_timeout_s``; then drop cached prefixes computed with
         the old weights."""
 
@@ -117,15 +117,11 @@ class VLLMRollout:
             if not self.weights_awake:  # load into GPU memory, not into the sleeping engine's freed pages
                 self.llm.wake_up(tags=["weights"])
                 self.weights_awake = True
-            if self.cfg.tensor_model_parallel_size > 1:
-                items = list(state_dict.items())
-                self.llm.collective_rpc(lambda worker: worker.model_runner.model.load_weights(items))
-            else:
-                self._model().load_weights(state_dict.items())
+            self.llm.collective_rpc(_load_into_worker, args=(weights,))
             self.llm.reset_prefix_cache()
 
         run_with_timeout(
-            load, self.sync_timeout_s, "vLLM weight sync", "actor_rollout_ref.rollout.weight_sync_timeout_s"
+            load, self.sync_timeout_s, "vLLM weight load", "actor_rollout_ref.rollout.weight_sync_timeout_s"
         )
 
     # ------------------------------------------------------------------ generation
@@ -140,27 +136,31 @@ class VLLMRollout:
         top_p: float = 1.0,
         top_k: int = -1,
         do_sample: bool = True,
-        generator: torch.Generator | None = None,
+        keys: Sequence[int] | None = None,
     ) -> RolloutOutput:
         """``n`` responses per prompt (rows of a prompt adjacent), with their sampling log-probs.
 
-        The request seed is drawn from ``generator``, so a seeded step draws the same seed again on
-        resume (vLLM's sampling itself is reproducible only on the same GPU and batch).
+        Each prompt is one request seeded from its key (:mod:`tearless.rollout.seeds`), so a prompt
+        draws the same responses in any worker and any batch (vLLM seeds each request's own
+        generator; the logits themselves can differ in the last bits between batch shapes).
         """
         from vllm import SamplingParams
 
-        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-        params = SamplingParams(
-            n=n,
-            temperature=temperature if do_sample else 0.0,
-            top_p=top_p if do_sample else 1.0,
-            top_k=top_k if do_sample else -1,
-            max_tokens=max_new_tokens,
-            logprobs=0,
-            seed=seed,
-            stop_token_ids=self.eos,
-            detokenize=False,
-        )
+        seeds = [None] * len(prompts) if keys is None else [k % (2**63 - 1) for k in keys]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature if do_sample else 0.0,
+                top_p=top_p if do_sample else 1.0,
+                top_k=top_k if do_sample and top_k > 0 else 0,  # 0 disables top-k in vLLM
+                max_tokens=max_new_tokens,
+                logprobs=0,
+                seed=seed,
+                stop_token_ids=self.eos,
+                detokenize=False,
+            )
+            for seed in seeds
+        ]
         self.wake_up()
         try:
             results = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -196,3 +196,8 @@ class VLLMRollout:
             log_probs=logps,
             truncated=truncated,
         )
+
+
+def _load_into_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run by ``LLM.collective_rpc`` on the engine's worker (in this process)."""
+    worker.get_model().load_weights(weights=weights)

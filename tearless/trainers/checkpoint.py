@@ -1,10 +1,12 @@
 """Checkpoints that a crash can never leave half-written where resume would look.
 
 Layout: ``<run_dir>/global_step_N/actor/`` is a ``save_pretrained`` directory (model + tokenizer,
-loadable by ``AutoModelForCausalLM.from_pretrained`` alone); ``trainer_state.pt`` holds the
-optimizer, scheduler, RNG states, KL controller and step. A checkpoint is written under a hidden
-temporary name and renamed into place only when complete; ``latest_checkpointed_iteration.txt``
-is rewritten atomically afterwards. Resume trusts only directories named ``global_step_N`` that
+loadable by ``AutoModelForCausalLM.from_pretrained`` alone); the RL trainer adds ``critic/`` and
+``optim/<role>/`` (optimizer state in safetensors shards, :mod:`tearless.workers.optim_state`, the
+same for every placement and world size); ``trainer_state.pt`` holds the scheduler, RNG states, KL
+controller and step (the offline trainers keep their optimizer state there too). A checkpoint is
+written under a hidden temporary name and renamed into place only when complete;
+``latest_checkpointed_iteration.txt`` is rewritten atomically afterwards. Resume trusts only directories named ``global_step_N`` that
 hold the completion marker.
 
 Every file of a checkpoint is fsynced before the rename, so the rename publishes data that is on
@@ -67,20 +69,20 @@ def save_checkpoint(
     run_dir: str | os.PathLike,
     step: int,
     *,
-    model: Any,
-    tokenizer: Any,
     state: dict[str, Any],
+    model: Any = None,
+    tokenizer: Any = None,
     keep: int | None = None,
     extra_models: dict[str, torch.nn.Module] | None = None,
-    write_shards: Callable[[Path], None] | None = None,
+    write: Callable[[Path], dict[str, Any] | None] | None = None,
 ) -> Path:
     """Write ``global_step_{step}`` atomically; prune to the newest ``keep`` complete checkpoints.
 
-    ``model`` is anything with ``save_pretrained(directory)``; ``tokenizer`` may be None for models
-    without one (the flow models). ``extra_models`` (e.g. ``{"critic": value_model}``) are saved as
-    ``save_pretrained`` directories beside ``actor/``. ``write_shards(directory)`` adds files written by
-    other processes (the Ray workers' optimizer shards) inside the temporary directory, so they too
-    appear only when complete.
+    ``model`` is anything with ``save_pretrained(directory)``, saved as ``actor/``; ``tokenizer`` may be
+    None for models without one (the flow models). ``extra_models`` (e.g. ``{"critic": value_model}``)
+    are saved as ``save_pretrained`` directories beside it. ``write(directory)`` adds what other code
+    (the RL trainer's workers, in this process or others) writes inside the temporary directory, so
+    it too appears only when complete; what it returns is added to ``state``.
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -92,14 +94,15 @@ def save_checkpoint(
     try:
         tmp.mkdir()
         with quiet_transformers():
-            model.save_pretrained(tmp / "actor")
+            if model is not None:
+                model.save_pretrained(tmp / "actor")
             if tokenizer is not None:
                 tokenizer.save_pretrained(tmp / "actor")
             for name, extra in (extra_models or {}).items():
                 extra.save_pretrained(tmp / name)
+        if write is not None:
+            state = {**state, **(write(tmp) or {})}
         faults.point("checkpoint_write", step)
-        if write_shards is not None:
-            write_shards(tmp)
         # Through a Python file object, so a failed write raises its OSError (torch's own writer
         # reports "unexpected pos" and loses the errno).
         with open(tmp / "trainer_state.pt", "wb") as f:

@@ -1,11 +1,10 @@
-"""The actor (policy) and reference workers of the single-process placement.
+"""The actor (policy) and reference roles: losses and forwards over one model, in any placement.
 
-The actor owns the trained model, its AdamW optimizer and learning-rate schedule. ``update_policy``
-is veRL's update: ``ppo_epochs`` passes over mini-batches of ``ppo_mini_batch_size × n`` responses,
-each split into micro-batches (by count or by token budget) whose losses are normalised by the
-mini-batch's global token and sequence counts, so accumulation gives exactly the gradient of the
-whole mini-batch; one optimizer step per mini-batch, gradients clipped, a non-finite gradient norm
-skips the step and is counted.
+The actor owns the trained model, its AdamW optimizer and learning-rate schedule; its update follows
+the one schedule of :mod:`tearless.workers.schedule` (``ppo_epochs`` passes over mini-batches of
+``ppo_mini_batch_size × n`` responses, micro-batched, globally normalised, one clipped optimizer
+step per mini-batch, non-finite steps skipped and counted). A rank of a worker group holds these same
+objects over its (possibly FSDP2-sharded) model.
 
 On-policy, responses whose advantages are all zero contribute exactly nothing to the gradient when
 every loss term is a multiple of A_t (no entropy bonus, no KL loss, a policy loss in
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -26,39 +24,18 @@ from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
 from tearless.config.schema import ActorConfig
-from tearless.distributed.partition import mini_batch_norm
 from tearless.models.logprobs import response_logprobs
+from tearless.workers.schedule import (
+    UpdateSettings,
+    attention_mask,
+    micro_batches,
+    run_plan,
+    scheduled_update,
+    skipped_rows_metrics,
+)
 
 # Policy losses whose per-token term is A_t times a factor: a zero advantage gives a zero loss and gradient.
 LINEAR_IN_ADVANTAGE = ("vanilla", "gspo", "cispo")
-
-
-def attention_mask(td: TensorDict) -> torch.Tensor:
-    """The responses' attention mask: ``response_attention_mask`` when the batch has one (multi-turn
-    rollouts, where tool output is attended to but masked from the loss), else ``response_mask``."""
-    return td["response_attention_mask"] if "response_attention_mask" in td.keys() else td["response_mask"]
-
-
-def micro_batches(
-    td: TensorDict, *, size: int | None = None, token_budget: int | None = None
-) -> list[TensorDict]:
-    """Split ``td`` into consecutive micro-batches of ``size`` rows, or packed under ``token_budget``.
-
-    The token count of a row is its real (unpadded) prompt + response length.
-    """
-    rows = td.batch_size[0]
-    if token_budget is None:
-        step = size or rows
-        return [td[i : i + step] for i in range(0, rows, step)]
-    lengths = (td["prompt_mask"].sum(-1) + attention_mask(td).sum(-1)).tolist()
-    chunks, start, used = [], 0, 0
-    for i, length in enumerate(lengths):
-        if i > start and used + length > token_budget:
-            chunks.append(td[start:i])
-            start, used = i, 0
-        used += length
-    chunks.append(td[start:rows])
-    return chunks
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float, num_cycles: float):
@@ -165,11 +142,7 @@ class Actor(LogProbWorker):
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg.optim, total_steps)
         self.skipped_steps = 0
 
-    def on_policy(self, num_prompts: int) -> bool:
-        """One epoch over one mini-batch: the update's ratio is exactly 1, old log-probs are not needed."""
-        return self.cfg.ppo_epochs == 1 and num_prompts == self.cfg.ppo_mini_batch_size
-
-    def _micro_loss(self, mb: TensorDict, norm: dict, use_detached_old: bool) -> tuple[torch.Tensor, dict]:
+    def micro_loss(self, mb: TensorDict, norm: dict, use_detached_old: bool) -> tuple[torch.Tensor, dict]:
         cfg = self.cfg
         need_entropy = "grad" if cfg.entropy_coeff != 0 else True
         log_prob, entropy = self.forward(mb, with_entropy=need_entropy)
@@ -207,137 +180,91 @@ class Actor(LogProbWorker):
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
 
-    def skips_zero_adv_rows(self, num_prompts: int) -> bool:
-        """Whether an update of ``num_prompts`` prompts leaves out responses with all-zero advantages:
-        on-policy (the ratio and its metrics are exactly 1 and 0) and every loss term linear in A_t."""
-        cfg = self.cfg
-        return (
-            cfg.skip_zero_adv_rows
-            and self.on_policy(num_prompts)
-            and cfg.entropy_coeff == 0
-            and not cfg.use_kl_loss
-            and cfg.policy_loss.loss_mode in LINEAR_IN_ADVANTAGE
-        )
-
-    def split_zero_adv_rows(self, mini: TensorDict, norm: dict) -> tuple[TensorDict, dict]:
-        """The rows of ``mini`` with a non-zero advantage (at least one row), and the metrics the
-        others add to the mini-batch's sums: the share skipped and their entropy (the rollout's when
-        the batch carries ``rollout_entropy``, else from a forward without gradient). Their policy
-        loss and its clip and KL metrics are exactly 0 on-policy: they add nothing there."""
-        mask = mini["response_mask"]
-        keep = ((mini["advantages"] * mask) != 0).any(-1)
-        if not bool(keep.any()):
-            keep[0] = True  # one row keeps the update's shape: its metrics, gradients of zero
-        metrics = {"actor/zero_adv_rows_skipped": float((~keep).sum()) / len(keep)}
-        if bool(keep.all()):
-            return mini, metrics
-        idle = mini[~keep]
-        if "rollout_entropy" in idle.keys():
-            entropy = idle["rollout_entropy"]
-        else:
-            entropy = self.compute_log_prob(idle, with_entropy=True)[1]
-        idle_entropy = agg_loss(entropy, idle["response_mask"], self.cfg.loss_agg_mode, **norm)
-        metrics["actor/entropy"] = float(idle_entropy)
-        return mini[keep], metrics
-
     def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
-        """Run the PPO epochs over ``td`` (one training step's responses); return averaged metrics."""
-        cfg = self.cfg
-        num_prompts = td.batch_size[0] // self.rollout_n
-        use_detached_old = self.on_policy(num_prompts)
-        out, self.skipped_steps = run_updates(
-            self.model,
-            td,
-            lambda mb, norm: self._micro_loss(mb, norm, use_detached_old),
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            params=self.params,
-            grad_clip=cfg.grad_clip,
-            rows_per_mini=cfg.ppo_mini_batch_size * self.rollout_n,
-            epochs=cfg.ppo_epochs,
-            shuffle=cfg.shuffle,
-            generator=generator,
-            micro_size=cfg.ppo_micro_batch_size_per_gpu,
-            token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
-            prefix="actor",
-            skipped=self.skipped_steps,
-            drop_rows=self.split_zero_adv_rows if self.skips_zero_adv_rows(num_prompts) else None,
+        """Run the PPO epochs over ``td`` (one training step's responses) in this process; return
+        averaged metrics. A worker group runs the same :func:`policy_update` across its ranks."""
+        detached = on_policy(self.cfg, td.batch_size[0] // self.rollout_n)
+        s = actor_settings(self.cfg, self.rollout_n)
+
+        def run(work):
+            ((rows, steps),) = work
+            return [run_plan(self, rows, steps, s, lambda mb, norm: self.micro_loss(mb, norm, detached))]
+
+        return policy_update(
+            self.cfg, self.rollout_n, td, 1, run, generator=generator, entropy_of=self.entropy_of
         )
-        if cfg.use_kl_loss:
-            out["actor/kl_coef"] = cfg.kl_loss_coef
-        return out
+
+    def entropy_of(self, rows: TensorDict) -> torch.Tensor:
+        """Entropies of ``rows``' response tokens from a forward without gradient."""
+        return self.compute_log_prob(rows, with_entropy=True)[1]
 
 
-def run_updates(
-    model: torch.nn.Module,
+def on_policy(cfg: ActorConfig, num_prompts: int) -> bool:
+    """One epoch over one mini-batch: the update's ratio is exactly 1, old log-probs are not needed."""
+    return cfg.ppo_epochs == 1 and num_prompts == cfg.ppo_mini_batch_size
+
+
+def skips_zero_adv_rows(cfg: ActorConfig, num_prompts: int) -> bool:
+    """Whether an update of ``num_prompts`` prompts leaves out responses with all-zero advantages:
+    on-policy (the ratio and its metrics are exactly 1 and 0) and every loss term linear in A_t."""
+    return (
+        cfg.skip_zero_adv_rows
+        and on_policy(cfg, num_prompts)
+        and cfg.entropy_coeff == 0
+        and not cfg.use_kl_loss
+        and cfg.policy_loss.loss_mode in LINEAR_IN_ADVANTAGE
+    )
+
+
+def actor_settings(cfg: ActorConfig, rollout_n: int) -> UpdateSettings:
+    """The schedule's view of an actor config section."""
+    return UpdateSettings(
+        rows_per_mini=cfg.ppo_mini_batch_size * rollout_n,
+        epochs=cfg.ppo_epochs,
+        shuffle=cfg.shuffle,
+        micro_size=cfg.ppo_micro_batch_size_per_gpu,
+        token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+        grad_clip=cfg.grad_clip,
+        prefix="actor",
+    )
+
+
+def policy_update(
+    cfg: ActorConfig,
+    rollout_n: int,
     td: TensorDict,
-    micro_loss,
+    world: int,
+    run_ranks: Callable,
     *,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    params: list[torch.nn.Parameter],
-    grad_clip: float,
-    rows_per_mini: int,
-    epochs: int,
-    shuffle: bool,
     generator: torch.Generator | None,
-    micro_size: int | None,
-    token_budget: int | None,
-    prefix: str,
-    skipped: int,
-    drop_rows: Callable[[TensorDict, dict], tuple[TensorDict, dict]] | None = None,
-) -> tuple[dict[str, float], int]:
-    """veRL's update schedule, shared by actor and critic: ``epochs`` passes over mini-batches of
-    ``rows_per_mini`` rows, each split into micro-batches whose losses ``micro_loss(mb, norm)`` are
-    normalised by the mini-batch's global token and sequence counts (``norm``) and accumulated; one
-    clipped optimizer step per mini-batch, skipped (and counted) when a micro-batch loss or the gradient
-    norm is not finite: the parameters and the optimizer's moments and step count stay untouched.
-    The scheduler steps once per call. ``drop_rows(mini, norm)``, when given, returns the rows of a
-    mini-batch to forward (after the normalisers are taken from all of them) and the metrics the
-    others add. Returns the metrics averaged over optimizer steps and the updated count of skipped
-    steps.
-    """
-    model.train()
-    rows = td.batch_size[0]
-    sums: dict[str, float] = defaultdict(float)
-    steps = 0
-    for _ in range(epochs):
-        order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
-        for start in range(0, rows, rows_per_mini):
-            mini = td[order[start : start + rows_per_mini]]
-            norm = mini_batch_norm(mini["response_mask"])
-            optimizer.zero_grad(set_to_none=True)
-            finite_loss = True
-            if drop_rows is not None:
-                mini, dropped = drop_rows(mini, norm)
-                for k, v in dropped.items():
-                    sums[k] += v
-            for mb in micro_batches(
-                mini, size=None if token_budget else micro_size, token_budget=token_budget
-            ):
-                loss, metrics = micro_loss(mb, norm)
-                # A NaN loss can come with a finite gradient (from a term that does not reach the
-                # parameters); the step is skipped either way.
-                finite_loss = finite_loss and bool(torch.isfinite(loss.detach()))
-                loss.backward()
-                for k, v in metrics.items():
-                    sums[k] += float(v)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            if finite_loss and torch.isfinite(grad_norm):
-                optimizer.step()
-            else:
-                skipped += 1
-                optimizer.zero_grad(set_to_none=True)
-            sums[f"{prefix}/grad_norm"] += float(grad_norm)
-            steps += 1
-    out = {k: v / steps for k, v in sums.items()}
-    out[f"{prefix}/lr"] = optimizer.param_groups[0][
-        "lr"
-    ]  # the rate these steps used, before the schedule moves
-    scheduler.step()
-    out[f"{prefix}/skipped_steps"] = float(skipped)
-    out[f"{prefix}/num_optimizer_steps"] = float(steps)
-    return out, skipped
+    entropy_of: Callable[[TensorDict], torch.Tensor],
+) -> dict[str, float]:
+    """The actor's update in any placement (:func:`~tearless.workers.schedule.scheduled_update`):
+    on-policy, rows whose advantages are all zero are left out when their gradient is exactly zero
+    (:func:`skips_zero_adv_rows`), their entropy metric taken from the sampler (``rollout_entropy``)
+    or, without it, from ``entropy_of(rows)``."""
+    skip, skip_metrics = None, None
+    if skips_zero_adv_rows(cfg, td.batch_size[0] // rollout_n):
+        skip = ~((td["advantages"] * td["response_mask"]) != 0).any(-1)
+
+        def entropy(rows: TensorDict) -> torch.Tensor:
+            return rows["rollout_entropy"] if "rollout_entropy" in rows.keys() else entropy_of(rows)
+
+        def skip_metrics(plans):
+            return skipped_rows_metrics(td, plans, cfg.loss_agg_mode, entropy)
+
+    out = scheduled_update(
+        td,
+        actor_settings(cfg, rollout_n),
+        world,
+        run_ranks,
+        generator=generator,
+        skip_rows=skip,
+        skip_metrics=skip_metrics,
+    )
+    if cfg.use_kl_loss:
+        out["actor/kl_coef"] = cfg.kl_loss_coef
+    return out
 
 
 def make_optimizer(params: list[torch.nn.Parameter], optim_cfg, total_steps: int):

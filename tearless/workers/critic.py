@@ -2,7 +2,7 @@
 
 ``compute_values`` runs before advantages (the values V(s_t) of the rollout-time critic); the
 update regresses the critic on the GAE returns with :func:`tearless.algos.value_loss`, on the same
-epochs × mini-batches × micro-batches schedule as the actor (:func:`run_updates`).
+epochs × mini-batches × micro-batches schedule as the actor (:mod:`tearless.workers.schedule`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,14 @@ from tensordict import TensorDict
 
 from tearless.algos import value_loss
 from tearless.models.value import response_values
-from tearless.workers.actor import attention_mask, make_optimizer, micro_batches, run_updates
+from tearless.workers.actor import make_optimizer
+from tearless.workers.schedule import (
+    UpdateSettings,
+    attention_mask,
+    micro_batches,
+    run_plan,
+    scheduled_update,
+)
 
 
 class Critic:
@@ -49,7 +56,7 @@ class Critic:
         self.model.train(was_training)
         return torch.cat(outs)
 
-    def _micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
+    def micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
         vpreds = response_values(
             self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], attention_mask(mb)
         )
@@ -70,26 +77,28 @@ class Critic:
         return loss, out
 
     def update_critic(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
-        """Critic epochs over ``td`` (needs ``values`` and ``returns``); averaged metrics."""
-        s = self.s
-        out, self.skipped_steps = run_updates(
-            self.model,
-            td,
-            self._micro_loss,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            params=self.params,
-            grad_clip=s.grad_clip,
-            rows_per_mini=s.ppo_mini_batch_size * self.rollout_n,
-            epochs=s.ppo_epochs,
-            shuffle=s.shuffle,
-            generator=generator,
-            micro_size=s.ppo_micro_batch_size_per_gpu,
-            token_budget=s.ppo_max_token_len_per_gpu if s.use_dynamic_bsz else None,
-            prefix="critic",
-            skipped=self.skipped_steps,
-        )
-        return out
+        """Critic epochs over ``td`` (needs ``values`` and ``returns``) in this process; averaged metrics.
+        A worker group runs the same schedule across its ranks."""
+        s = update_settings(self.s, self.rollout_n)
+
+        def run(work):
+            ((rows, steps),) = work
+            return [run_plan(self, rows, steps, s, self.micro_loss)]
+
+        return scheduled_update(td, s, 1, run, generator=generator)
+
+
+def update_settings(settings, rollout_n: int) -> UpdateSettings:
+    """The schedule's view of the critic's resolved settings (:func:`critic_settings`)."""
+    return UpdateSettings(
+        rows_per_mini=settings.ppo_mini_batch_size * rollout_n,
+        epochs=settings.ppo_epochs,
+        shuffle=settings.shuffle,
+        micro_size=settings.ppo_micro_batch_size_per_gpu,
+        token_budget=settings.ppo_max_token_len_per_gpu if settings.use_dynamic_bsz else None,
+        grad_clip=settings.grad_clip,
+        prefix="critic",
+    )
 
 
 def critic_settings(cfg) -> SimpleNamespace:

@@ -17,6 +17,7 @@ import torch
 
 from tearless.rollout.agent import AgentLoop, AgentSettings, cut_tokens
 from tearless.rollout.hf import HFRollout, RolloutOutput, left_pad
+from tearless.rollout.seeds import prompt_keys
 from tearless.tasks.multihop import TAGS
 from tearless.tasks.tokenizer import build_char_tokenizer
 from tearless.tools import Tool
@@ -316,7 +317,7 @@ def test_real_model_rollout_log_probs_match_the_trainers_forward_across_tool_out
     engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     loop = AgentLoop(engine, tok, {"search": Lookup()}, AgentSettings(max_assistant_turns=4))
     items = [item(tok, q) for q in ("Where was kat born?", "Where was bim's mother born?")]
-    res = loop.generate(items, n=4, max_new_tokens=60, generator=torch.Generator().manual_seed(0))
+    res = loop.generate(items, n=4, max_new_tokens=60, keys=prompt_keys(0, 0, 0, len(items)))
     out = res.out
     holes = (out.response_attention_mask - out.response_mask).sum()
     assert holes > 0  # corrections (a random model rarely writes a valid call) are in the sequences

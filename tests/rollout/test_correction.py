@@ -9,6 +9,7 @@ import torch
 
 from tearless.algos import policy_loss
 from tearless.rollout.correction import rollout_correction
+from tearless.rollout.seeds import prompt_keys
 from tests.tolerances import logprob_tol, sum_tol
 
 
@@ -66,7 +67,7 @@ def test_hf_engine_matches_the_trainer_log_probs(task):
     model = load_causal_lm(task.model_dir)
     engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     prompts = [tok("12+34=")["input_ids"], tok("5+7=")["input_ids"]]
-    out = engine.generate(prompts, n=2, max_new_tokens=6, generator=torch.Generator().manual_seed(0))
+    out = engine.generate(prompts, n=2, max_new_tokens=6, keys=prompt_keys(0, 0, 0, len(prompts)))
     with torch.no_grad():
         trainer_lp, _ = response_logprobs(
             model, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask

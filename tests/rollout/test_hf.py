@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout, filter_logits, left_pad
+from tearless.rollout.seeds import prompt_keys
 from tearless.workers.actor import LogProbWorker
 from tests.tolerances import LOGIT_BOUND, entropy_tol, logprob_tol
 
@@ -90,7 +91,7 @@ def test_sampler_log_probs_and_entropy_equal_the_actors_recomputed_ones(setup, t
         max_new_tokens=16,
         temperature=temperature,
         top_k=5,  # filtering changes what can be drawn, not the log-probs (those are unfiltered)
-        generator=torch.Generator().manual_seed(3),
+        keys=prompt_keys(3, 0, 0, len(prompts)),
     )
     recomputed, entropy = LogProbWorker(model, temperature=temperature).compute_log_prob(
         as_batch(out), with_entropy=True
@@ -109,7 +110,7 @@ def test_sampler_log_probs_and_entropy_equal_the_actors_recomputed_ones(setup, t
 def test_response_mask_covers_up_to_and_including_eos_and_truncation_flags(setup):
     tok, _, prompts, rollout = setup
     # 10 new tokens: "1+2=3, 3" + EOS (9 tokens) fits, "7+8=15, 85" + EOS (11) does not.
-    out = rollout.generate(prompts, n=2, max_new_tokens=10, generator=torch.Generator().manual_seed(0))
+    out = rollout.generate(prompts, n=2, max_new_tokens=10, keys=prompt_keys(0, 0, 0, len(prompts)))
     assert out.response_ids.shape == (16, 10)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     for ids, mask, truncated in zip(out.response_ids, out.response_mask, out.truncated, strict=True):
@@ -128,7 +129,7 @@ def test_top_k_1_sampling_equals_greedy(setup):
     _, _, prompts, rollout = setup
     greedy = rollout.generate(prompts, max_new_tokens=16, do_sample=False)
     sampled = rollout.generate(
-        prompts, max_new_tokens=16, top_k=1, temperature=1.3, generator=torch.Generator().manual_seed(7)
+        prompts, max_new_tokens=16, top_k=1, temperature=1.3, keys=prompt_keys(7, 0, 0, len(prompts))
     )
     assert sampled.response_ids.tolist() == greedy.response_ids.tolist()
     assert sampled.response_mask.tolist() == greedy.response_mask.tolist()
@@ -139,7 +140,7 @@ def test_same_generator_seed_gives_the_same_samples(setup):
 
     def sample(seed):
         return rollout.generate(
-            prompts, n=4, max_new_tokens=16, temperature=1.5, generator=torch.Generator().manual_seed(seed)
+            prompts, n=4, max_new_tokens=16, temperature=1.5, keys=prompt_keys(seed, 0, 0, len(prompts))
         )
 
     a, b, c = sample(11), sample(11), sample(12)
@@ -248,7 +249,7 @@ def test_samples_share_a_model_row_until_they_draw_different_tokens(setup):
     n = 8
     calls, handle = record_batch_sizes(model)
     try:
-        out = rollout.generate(prompts, n=n, max_new_tokens=16, generator=torch.Generator().manual_seed(2))
+        out = rollout.generate(prompts, n=n, max_new_tokens=16, keys=prompt_keys(2, 0, 0, len(prompts)))
     finally:
         handle.remove()
     ids, mask = out.response_ids, out.response_mask
@@ -293,7 +294,7 @@ def test_the_buffered_decode_cache_samples_exactly_what_the_stock_cache_samples(
         monkeypatch.setattr(hf, "BUFFERED_CACHE_MIN_POSITIONS", threshold)
         layers[name] = type(hf.decode_cache(model.config, 40).layers[0]).__name__
         outs[name] = rollout.generate(
-            prompts, n=3, max_new_tokens=24, temperature=1.0, generator=torch.Generator().manual_seed(5)
+            prompts, n=3, max_new_tokens=24, temperature=1.0, keys=prompt_keys(5, 0, 0, len(prompts))
         )
     assert layers == {"stock": "DynamicLayer", "buffered": "BufferedLayer"}
     stock, buffered = outs["stock"], outs["buffered"]

@@ -19,6 +19,7 @@ from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.logprobs import response_logprobs
 from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout
+from tearless.rollout.seeds import prompt_keys
 from tearless.rollout.vllm import VLLMRollout
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,7 @@ def setup(task):
 
 def test_samples_with_log_probs_close_to_the_trainers(setup):
     _, model, engine, prompts = setup
-    out = engine.generate(prompts, n=4, max_new_tokens=8, generator=torch.Generator().manual_seed(0))
+    out = engine.generate(prompts, n=4, max_new_tokens=8, keys=prompt_keys(0, 0, 0, len(prompts)))
     assert out.response_ids.shape[0] == 12 and out.prompt_ids.shape[0] == 12
     assert bool((out.response_mask.sum(-1) > 0).all())
     with torch.no_grad():

@@ -13,7 +13,9 @@ from tearless.config.schema import ActorConfig, PolicyLossConfig
 from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout
-from tearless.workers.actor import Actor, LogProbWorker, lr_lambda, micro_batches
+from tearless.rollout.seeds import prompt_keys
+from tearless.workers.actor import Actor, LogProbWorker, lr_lambda
+from tearless.workers.schedule import micro_batches
 from tests.tolerances import LOGIT_BOUND, entropy_tol, eps, gradient_terms, logprob_tol, loss_rel, sum_tol
 
 N = 4  # responses per prompt
@@ -37,7 +39,7 @@ def build_batch(model_dir):
     prompts = [render_prompt(tok, [{"role": "user", "content": q}]) for q in questions]
     gen = torch.Generator().manual_seed(0)
     out = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id).generate(
-        prompts, n=N, max_new_tokens=16, temperature=1.0, generator=gen
+        prompts, n=N, max_new_tokens=16, temperature=1.0, keys=prompt_keys(0, 0, 0, len(prompts))
     )
     mask = out.response_mask
     rows = mask.shape[0]
@@ -98,7 +100,7 @@ def assert_same_sgd_result(b, a, start, steps, n_terms, msg=None):
     gradients' own rounding moves θ by at most lr·sum_tol(Σ|g|), and lr·Σ|g| is the distance
     travelled (safety 2: the gradient entries are sums with some cancellation between tokens).
     """
-    moved = float((a - start).abs().max())
+    moved = float((a - start).detach().abs().max())
     atol = steps * eps(a.dtype) * float(a.abs().max()) + sum_tol(n_terms, moved, a.dtype, safety=2)
     torch.testing.assert_close(b, a, atol=atol, rtol=0, msg=msg)
 

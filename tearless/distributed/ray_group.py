@@ -1,0 +1,290 @@
+"""The Ray placement: pools of :class:`~tearless.workers.rank.Rank` actors, one process each.
+
+Pools. By default (``trainer.colocate=true``) one pool of ``trainer.nnodes × n_gpus_per_node``
+ranks holds every model role and generates (the hybrid engine); with ``colocate=false`` each role
+gets a pool of that size (a LoRA reference stays with the actor: it is the actor with its adapters
+off). With ``actor_rollout_ref.rollout.nnodes × n_gpus_per_node > 0`` generation moves to a pool of
+that many separate rollout ranks (the split placement), which the training ranks broadcast the new
+policy to after every update (:mod:`tearless.distributed.weight_sync`).
+
+Scheduling. Each pool reserves its ranks with one Ray placement group per node (a bundle per rank:
+one GPU, or ``trainer.num_cpus_per_worker`` CPUs) packed on that node, so that a pool's ranks on a
+node share it and rank r sits in bundle r of its node. A pool's ranks join a ``torch.distributed``
+group whose rendezvous is on rank 0's routable node address (Ray's view of it). Ray itself is
+joined at ``ray_init.address`` (``auto``, ``ray://…``, an IP), or started locally; worker
+environment variables go in ``ray_init.runtime_env.env_vars``.
+
+Failures. Every wait is bounded by ``trainer.worker_timeout_s``; the first rank that raises or
+dies ends the call with an error naming its pool, rank, process id and host and carrying its
+traceback, and every pool is stopped (a surviving rank would sit in a collective until its own
+timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tearless.config import Config, to_dict
+from tearless.workers.group import WorkerGroup
+from tearless.workers.rank import Rank, RankSpec
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerError(RuntimeError):
+    """A worker failed, died or did not answer in time; the message names it."""
+
+
+def ensure_ray(cfg: Config, num_workers: int) -> None:
+    """Join the cluster at ``ray_init.address`` (or ``RAY_ADDRESS``), or start a local one (no
+    dashboard) that counts at least ``num_cpus_per_worker`` CPUs per worker, so that the pools fit on
+    a small machine; ``ray_init.runtime_env`` applies to every worker of the run."""
+    import os
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    ri = cfg.ray_init
+    address = ri.address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    runtime_env = to_dict(ri.runtime_env)
+    if runtime_env.get("env_vars"):
+        kwargs["runtime_env"] = {"env_vars": {k: str(v) for k, v in runtime_env["env_vars"].items()}}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        needed = num_workers * cfg.trainer.num_cpus_per_worker
+        ray.init(num_cpus=ri.num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+
+
+class Pool:
+    """``world`` Ray actors holding ranks of one pool, and the calls to them."""
+
+    def __init__(
+        self,
+        spec: RankSpec,
+        world: int,
+        *,
+        name: str,
+        nodes: int,
+        timeout_s: float,
+        independent: bool = False,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.world, self.timeout_s = name, world, timeout_s
+        self.handles: list[Any] = []
+        self.groups: list[Any] = []
+        gpu = spec.device == "cuda"
+        cpus = spec.cfg.trainer.num_cpus_per_worker
+        per_node = -(-world // nodes)
+        bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
+        for start in range(0, world, per_node):
+            count = min(per_node, world - start)
+            self.groups.append(placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK"))
+        self.workers = [{"rank": r, "pid": None, "host": None} for r in range(world)]
+        if not ray.get([g.ready() for g in self.groups], timeout=timeout_s):
+            raise WorkerError(f"{name}: the cluster has no room for {world} workers of {bundle}")
+        remote = ray.remote(Rank)
+        for r in range(world):
+            strategy = PlacementGroupSchedulingStrategy(self.groups[r // per_node], r % per_node)
+            options = remote.options(num_cpus=cpus, num_gpus=1 if gpu else 0, scheduling_strategy=strategy)
+            # Independent ranks (separate rollout workers) are each rank 0 of their own world of 1.
+            self.handles.append(options.remote(0 if independent else r, 1 if independent else world, spec))
+        self.workers = self.call("info", [()] * world, "start")
+        for r, w in enumerate(self.workers):
+            w["rank"] = r
+
+    def label(self, rank: int) -> str:
+        w = self.workers[rank]
+        where = f"pid {w['pid']} on {w['host']}" if w["pid"] is not None else "process not started yet"
+        return f"{self.name} worker rank {rank} ({where})"
+
+    def submit(
+        self, method: str, per_rank: Sequence[tuple], ranks: Sequence[int] | None = None
+    ) -> list[tuple[Any, Pool, int]]:
+        """Start ``method`` on the given ranks (all by default), each with its own arguments; the
+        pending calls, for :func:`wait_all`."""
+        ranks = range(self.world) if ranks is None else ranks
+        return [
+            (getattr(self.handles[r], method).remote(*args), self, r)
+            for r, args in zip(ranks, per_rank, strict=True)
+        ]
+
+    def call(self, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
+        return wait_all(self.submit(method, per_rank), what or method, self.timeout_s)
+
+    def close(self) -> None:
+        import ray
+
+        for handle in self.handles:
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # a dead actor cannot be killed twice; nothing else to do
+                pass
+        self.handles = []
+        for group in self.groups:
+            try:
+                ray.util.remove_placement_group(group)
+            except Exception:  # already removed with the cluster
+                pass
+        self.groups = []
+
+
+def wait_all(pending: list[tuple[Any, Pool, int]], what: str, timeout_s: float) -> list[Any]:
+    """Results of pending calls, in submission order, within ``timeout_s`` in all; on the first failure
+    or at the timeout every involved pool is stopped and a :class:`WorkerError` names the worker."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+    refs = {ref: i for i, (ref, _, _) in enumerate(pending)}
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    waiting = list(refs)
+
+    def stop() -> None:
+        for pool in {id(p): p for _, p, _ in pending}.values():
+            pool.close()
+
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            late = ", ".join(pending[refs[w]][1].label(pending[refs[w]][2]) for w in waiting)
+            stop()
+            raise WorkerError(
+                f"{late}: no answer to {what} within trainer.worker_timeout_s={timeout_s:g} s; the workers "
+                "were stopped. Raise trainer.worker_timeout_s if the step is legitimately slow."
+            )
+        ref = ready[0]
+        _, pool, rank = pending[refs[ref]]
+        try:
+            results[refs[ref]] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except RayActorError as exc:
+            label = pool.label(rank)
+            stop()
+            raise WorkerError(
+                f"{label} died during {what} (its process exited or was killed); the workers were "
+                f"stopped and nothing of this step was saved.\n{exc}"
+            ) from None
+        except GetTimeoutError:
+            waiting.append(ref)
+        except RayError as exc:
+            label = pool.label(rank)
+            stop()
+            remote = _ANSI.sub("", str(exc))  # Ray colours the remote traceback for terminals
+            raise WorkerError(f"{label} failed during {what}:\n{remote}") from None
+    return [results[i] for i in range(len(pending))]
+
+
+class RayWorkers(WorkerGroup):
+    """The pools of one run (see the module docstring)."""
+
+    def __init__(self, spec: RankSpec, pad_token_id: int, *, run_dir: Path | None = None) -> None:
+        cfg = spec.cfg
+        t, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
+        self.cfg, self.pad_token_id = cfg, pad_token_id
+        world = t.nnodes * t.n_gpus_per_node
+        split = rollout.nnodes * rollout.n_gpus_per_node
+        roles = spec.roles
+        lora_ref = "ref" in roles and cfg.actor_rollout_ref.model.lora_rank > 0
+        if t.colocate:
+            layout = {"+".join(roles): roles}
+        else:  # a pool per role, but a LoRA reference is the actor's model with its adapters off
+            layout = {r: ("actor", "ref") if r == "actor" and lora_ref else (r,) for r in roles}
+            if lora_ref:
+                del layout["ref"]
+        ensure_ray(cfg, world * len(layout) + split)
+        self.pools: dict[str, Pool] = {}
+        self.pool_of: dict[str, str] = {}
+        try:
+            for name, pool_roles in layout.items():
+                hybrid = "actor" in pool_roles and not split
+                pool_spec = RankSpec(**{**vars(spec), "roles": pool_roles, "rollout": hybrid})
+                pool = Pool(pool_spec, world, name=name, nodes=t.nnodes, timeout_s=t.worker_timeout_s)
+                self.pools[name] = pool
+                for role in pool_roles:
+                    self.pool_of[role] = name
+                if hybrid:
+                    self.pool_of["rollout"] = name
+            if split:
+                rollout_spec = RankSpec(**{**vars(spec), "roles": (), "rollout": True, "resume_dir": None})
+                self.pools["rollout"] = Pool(
+                    rollout_spec,
+                    split,
+                    name="rollout",
+                    nodes=rollout.nnodes,
+                    timeout_s=t.worker_timeout_s,
+                    independent=True,
+                )
+                self.pool_of["rollout"] = "rollout"
+            if run_dir is not None:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                for name, pool in self.pools.items():
+                    (run_dir / f"workers_{name}.json").write_text(json.dumps(pool.workers, indent=1))
+            self._setup(split)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, split: int) -> None:
+        for name, pool in self.pools.items():
+            if name == "rollout":
+                pool.call("setup", [()] * pool.world, "setup (rollout engine and rewards)")
+                continue
+            (address,) = wait_all(pool.submit("address", [()], ranks=[0]), "rendezvous", pool.timeout_s)
+            pool.call("setup", [(address,)] * pool.world, "setup (process group and models)")
+        actor = self.pools[self.pool_of["actor"]]
+        if split:
+            (address,) = wait_all(
+                actor.submit("address", [()], ranks=[0]), "weight-sync rendezvous", actor.timeout_s
+            )
+            sync_world = 1 + split
+            pending = actor.submit("open_weight_sync", [(address, 0, sync_world)], ranks=[0])
+            pending += self.pools["rollout"].submit(
+                "open_weight_sync", [(address, 1 + i, sync_world) for i in range(split)]
+            )
+            wait_all(pending, "weight-sync setup", actor.timeout_s)
+            self.after_update()
+        elif self.cfg.actor_rollout_ref.rollout.name != "hf":
+            actor.call("sync_engine", [()] * actor.world, "first weight load into the engines")
+
+    def world_of(self, pool: str) -> int:
+        return self.pools[self.pool_of[pool]].world
+
+    def _call(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
+        return self.pools[self.pool_of[pool]].call(method, per_rank, what)
+
+    def trained_pools(self) -> list[str]:
+        pools = [self.pool_of["actor"]]
+        if "critic" in self.pool_of and self.pool_of["critic"] not in pools:
+            pools.append(self.pool_of["critic"])
+        return [next(r for r in ("actor", "critic") if self.pool_of.get(r) == p) for p in pools]
+
+    def after_update(self) -> dict[str, float]:
+        """Split placement: the training ranks gather and send the policy while every rollout rank
+        receives it, at once; the slowest side's seconds."""
+        if "rollout" not in self.pools:
+            return {}
+        actor = self.pools[self.pool_of["actor"]]
+        rollout = self.pools["rollout"]
+        pending = actor.submit("send_weights", [()] * actor.world)
+        pending += rollout.submit("receive_weights", [()] * rollout.world)
+        seconds = wait_all(pending, "weight broadcast", actor.timeout_s)
+        return {"timing_s/update_weights": max(seconds)}
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            try:
+                if pool.handles:
+                    pool.call("close", [()] * pool.world, "close")
+            except WorkerError:
+                pass  # the pool was stopped by the failure; nothing left to close
+            pool.close()

@@ -1,0 +1,63 @@
+"""Held-out validation of the RL trainer: greedy accuracy always, mean@n and pass@k when sampling."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from tearless.rollout.seeds import prompt_keys
+from tearless.trainers.metrics import pass_at_k
+
+
+def validate(trainer: Any) -> dict[str, float]:
+    """``val-core/<data_source>/{acc,reward}/greedy`` and, with ``val_kwargs.do_sample``, ``mean@n``
+    and unbiased ``pass@k`` for k = 1, 2, 4, … ≤ n, per data source.
+
+    A sample is correct when its scorer's ``acc`` is true or, without one, its score is ≥ 1. The
+    held-out prompts sample with keys of their own (step −1), the same at every validation, so two
+    validations differ only by the policy.
+    """
+    cfg = trainer.cfg
+    vk = cfg.actor_rollout_ref.rollout.val_kwargs
+    items = [trainer.val_set[i] for i in range(len(trainer.val_set))]
+    metrics: dict[str, float] = {}
+    for src, vals in _val_pass(trainer, items, n=1, keys=None, do_sample=False).items():
+        metrics[f"val-core/{src}/acc/greedy"] = sum(c for _, c in vals) / len(vals)
+        metrics[f"val-core/{src}/reward/greedy"] = sum(m for m, _ in vals) / len(vals)
+    if vk.do_sample:
+        keys = prompt_keys(cfg.trainer.seed, -1, 2, len(items))
+        sampled = _val_pass(
+            trainer, items, n=vk.n, keys=keys, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k
+        )
+        for src, vals in sampled.items():
+            metrics[f"val-core/{src}/reward/mean@{vk.n}"] = sum(m for m, _ in vals) / len(vals)
+            metrics[f"val-core/{src}/acc/mean@{vk.n}"] = sum(c for _, c in vals) / (len(vals) * vk.n)
+            k = 1
+            while k <= vk.n:
+                metrics[f"val-core/{src}/acc/pass@{k}"] = sum(pass_at_k(vk.n, c, k) for _, c in vals) / len(
+                    vals
+                )
+                k *= 2
+    return metrics
+
+
+def _val_pass(
+    trainer: Any, items: list[dict], *, n: int, keys: list[int] | None, **sampling: Any
+) -> dict[str, list[tuple[float, int]]]:
+    """Generate ``n`` responses per item; per data_source, (mean score, number correct) per prompt."""
+    size = trainer.cfg.data.val_batch_size or len(items)
+    per_source: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    for start in range(0, len(items), size):
+        chunk = items[start : start + size]
+        chunk_keys = None if keys is None else keys[start : start + size]
+        rollout = trainer.generate(chunk, keys=chunk_keys, n=n, **sampling)
+        for j, it in enumerate(chunk):
+            rows = slice(j * n, (j + 1) * n)
+            scores, correct = rollout.scores[rows], rollout.correct[rows]
+            per_source[it["data_source"]].append((float(scores.mean()), int(correct.sum())))
+    return per_source
+
+
+def format_validation(title: str, metrics: dict[str, float]) -> str:
+    lines = [f"held-out {title}:"] + [f"  {k:<40} {v:.4f}" for k, v in sorted(metrics.items())]
+    return "\n".join(lines)

@@ -1,0 +1,503 @@
+"""One rank of a worker group: its models, optimizers, rollout engine, reward scoring and tool loop.
+
+A :class:`Rank` is the same object in every placement: the single-process trainer holds one, in its
+own process (world size 1, plain models); a Ray worker group holds one per worker process, joined
+in a ``torch.distributed`` group (gloo on CPU, NCCL on GPU) over FSDP2-sharded models. The trainer
+never sees a rank; it talks to the group (:mod:`tearless.workers.group`).
+
+What a rank holds depends on the placement:
+
+- ``roles``: the trained and forward-only models it shards (``actor``, ``ref``, ``critic``);
+- ``rollout``: a rollout engine, the reward manager and the multi-turn agent loop. In the hybrid
+  (colocated) placement a training rank is also a rollout rank: the built-in engine samples from the
+  very weights it trains (gathered from their shards for the rollout, no copy), a vLLM engine sleeps
+  during the update and takes the new weights in this process. In the split placement, rollout
+  ranks hold a plain copy of the policy that the training ranks broadcast to after each update.
+
+Models of world-size-1 ranks load as usual. Sharded ones are read by rank 0 only and broadcast into
+every rank's shards (:func:`tearless.distributed.fsdp.shard_from_rank0`), with float32 master
+weights; on GPU, forward and backward run in ``fsdp_config.param_dtype`` (bf16 by default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from tearless.config import Config
+from tearless.cpu import configure_cpu
+from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tearless.models.value import load_value_model, response_values
+from tearless.models.weights import hf_weights, save_model
+from tearless.trainers.metrics import Timer
+from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, actor_settings
+from tearless.workers.critic import Critic, critic_settings, update_settings
+from tearless.workers.optim_state import load_optimizer, save_optimizer
+from tearless.workers.schedule import attention_mask, micro_batches, pad_micro_batches, run_plan
+from tearless.workers.scoring import score_responses
+
+ROLES = ("actor", "ref", "critic")
+TRAINED = ("actor", "critic")
+
+
+@dataclasses.dataclass
+class RankSpec:
+    """What a rank builds. ``model_path`` holds the initial weights; ``resume_dir`` a checkpoint whose
+    ``actor/`` (and ``critic/``) replace them; ``tool_config`` is the embedded task's tool YAML,
+    used when ``multi_turn.tool_config_path`` is null."""
+
+    cfg: Config
+    roles: tuple[str, ...]
+    rollout: bool
+    model_path: str
+    total_steps: int
+    device: str
+    resume_dir: str | None = None
+    reward_fn: Callable[..., Any] | None = None
+    tool_config: str | None = None
+
+
+def rollout_dtype(cfg: Config, device: str) -> str:
+    """The dtype a separate rollout engine holds the policy in: ``rollout.dtype``, or bfloat16 on GPU
+    and float32 on CPU."""
+    name = cfg.actor_rollout_ref.rollout.dtype
+    return name if name else ("bfloat16" if device == "cuda" else "float32")
+
+
+class Rank:
+    """Rank ``rank`` of ``world``; every method but :meth:`info` and :meth:`address` needs
+    :meth:`setup` first."""
+
+    def __init__(self, rank: int, world: int, spec: RankSpec) -> None:
+        self.rank, self.world, self.spec = rank, world, spec
+        self.roles: dict[str, Any] = {}
+        self.engine: Any = None
+        self.reward: Any = None
+        self.agent: Any = None
+        self.weight_sync: Any = None
+        # An engine holding its own copy of the policy beside the trained one (vLLM in the hybrid
+        # placement): it takes the new weights after every update.
+        self.separate_engine = False
+
+    # ------------------------------------------------------------------ where and how it starts
+    def info(self) -> dict[str, Any]:
+        """Where this rank runs: its process id and host (for error messages and kill tests)."""
+        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+
+    def address(self) -> str:
+        """A free TCP address for a rendezvous, on this node's routable IP (Ray's view of the node)."""
+        host = "127.0.0.1"
+        try:
+            import ray
+
+            if ray.is_initialized():
+                host = ray.util.get_node_ip_address()
+        except ImportError:
+            pass
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"tcp://{host}:{s.getsockname()[1]}"
+
+    def setup(self, init_method: str | None = None) -> None:
+        """Join the process group (world > 1), then build the models, the engine and the scorers."""
+        cfg, spec = self.spec.cfg, self.spec
+        t, arr = cfg.trainer, cfg.actor_rollout_ref
+        configure_cpu(t.num_threads, t.keep_freed_memory)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+        self.device = torch.device(spec.device)
+        self.mesh = None
+        if self.world > 1:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if self.device.type == "cuda":
+                torch.cuda.set_device(0)  # Ray gives each worker one GPU, visible as device 0
+            dist.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo",
+                init_method=init_method,
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timedelta(seconds=t.worker_timeout_s),
+            )
+            self.mesh = init_device_mesh(self.device.type, (self.world,))
+        tok = arr.model.tokenizer_path or spec.model_path
+        self.tokenizer = load_tokenizer(tok)
+        if "actor" in spec.roles:
+            self.roles["actor"] = Actor(
+                self._causal_lm("actor", trained=True),
+                arr.actor,
+                rollout_n=arr.rollout.n,
+                temperature=arr.rollout.temperature,
+                total_steps=spec.total_steps,
+                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
+                share_prompts=arr.model.share_prompt_forward,
+            )
+        if "ref" in spec.roles:
+            ref_kw = dict(
+                temperature=arr.rollout.temperature,
+                micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
+                share_prompts=arr.model.share_prompt_forward,
+            )
+            if arr.model.lora_rank > 0:  # the actor's model with its adapters off
+                self.roles["ref"] = AdapterOffLogProbWorker(self.roles["actor"].model, **ref_kw)
+            else:
+                self.roles["ref"] = LogProbWorker(self._causal_lm("ref", trained=False), **ref_kw)
+        if "critic" in spec.roles:
+            self.roles["critic"] = Critic(
+                self._value_model(),
+                critic_settings(cfg),
+                rollout_n=arr.rollout.n,
+                total_steps=spec.total_steps,
+            )
+        for role in TRAINED:
+            if role in self.roles and self._fsdp(role).optimizer_offload and self.device.type == "cuda":
+                from tearless.distributed.fsdp import move_optimizer_state
+
+                move_optimizer_state(self.roles[role].optimizer, "cpu")
+        if spec.rollout:
+            self._setup_rollout()
+
+    def _fsdp(self, role: str):
+        cfg = self.spec.cfg
+        if role == "critic":
+            return cfg.critic.model.fsdp_config
+        return getattr(cfg.actor_rollout_ref, role).fsdp_config
+
+    def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
+        """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0."""
+        if self.world == 1:
+            return build(True).to(self.device)
+        from tearless.distributed.fsdp import shard_from_rank0
+
+        fsdp, cuda = self._fsdp(role), self.device.type == "cuda"
+        model = shard_from_rank0(
+            build,
+            self.mesh,
+            rank=self.rank,
+            device="cpu" if fsdp.param_offload and cuda else self.device,
+            param_offload=fsdp.param_offload and cuda,
+            param_dtype=resolve_dtype(fsdp.param_dtype) if cuda else None,
+            reshard_after_forward=fsdp.reshard_after_forward,
+        )
+        if cuda:
+            model.tearless_compute_device = self.device
+        return model
+
+    def _master_dtype(self, trained: bool) -> str:
+        """Sharded trained weights stay float32 (FSDP's mixed precision computes in param_dtype);
+        a single process keeps ``model.dtype``."""
+        return "float32" if trained and self.world > 1 else self.spec.cfg.actor_rollout_ref.model.dtype
+
+    def _causal_lm(self, role: str, *, trained: bool) -> torch.nn.Module:
+        m, spec = self.spec.cfg.actor_rollout_ref.model, self.spec
+        dtype = self._master_dtype(trained)
+        checkpointing = m.enable_gradient_checkpointing and trained
+        resume = Path(spec.resume_dir) / "actor" if spec.resume_dir and role == "actor" else None
+        lora = m.lora_rank > 0 and role == "actor"
+
+        def build(real: bool) -> torch.nn.Module:
+            path = resume if resume is not None and not lora else spec.model_path
+            model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
+            if not trained:
+                model.requires_grad_(False)
+            if not lora:
+                return model
+            from tearless.models.lora import add_lora, load_lora
+
+            if resume is not None and real:
+                return load_lora(model, resume, gradient_checkpointing=checkpointing)
+            if not real:
+                torch.manual_seed(0)  # the skeleton's init is discarded; keep it cheap and fixed
+            kw = dict(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules)
+            return add_lora(model, gradient_checkpointing=checkpointing, **kw)
+
+        return self._shard(build, role)
+
+    def _value_model(self) -> torch.nn.Module:
+        cfg, spec = self.spec.cfg, self.spec
+        path = (
+            Path(spec.resume_dir) / "critic"
+            if spec.resume_dir
+            else (cfg.critic.model.path or spec.model_path)
+        )
+
+        def build(real: bool) -> torch.nn.Module:
+            return load_value_model(
+                path,
+                dtype=self._master_dtype(True),
+                gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
+                meta=not real,
+            )
+
+        return self._shard(build, "critic")
+
+    def _setup_rollout(self) -> None:
+        cfg, spec = self.spec.cfg, self.spec
+        arr = cfg.actor_rollout_ref
+        eos = {self.tokenizer.eos_token_id}
+        from transformers import GenerationConfig
+
+        try:
+            gen_eos = GenerationConfig.from_pretrained(spec.model_path).eos_token_id
+        except OSError:
+            gen_eos = None
+        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        if arr.rollout.name == "vllm":
+            from tearless.rollout.vllm import VLLMRollout
+
+            self.separate_engine = "actor" in self.roles
+            self.engine = VLLMRollout(
+                spec.model_path,
+                arr.rollout,
+                dtype=rollout_dtype(cfg, spec.device),
+                eos_token_ids=sorted(eos),
+                pad_token_id=self.tokenizer.pad_token_id,
+                seed=cfg.trainer.seed,
+            )
+        else:
+            from tearless.rollout.hf import HFRollout
+
+            if "actor" in self.roles:  # hybrid: sample from the trained weights themselves
+                model = self.roles["actor"].model
+            else:  # split: a plain copy, filled by the first weight broadcast
+                model = load_causal_lm(spec.model_path, dtype=rollout_dtype(cfg, spec.device)).to(self.device)
+                model.requires_grad_(False)
+            self.engine = HFRollout(
+                model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
+            )
+        from tearless.rewards import make_reward_manager
+
+        crf = cfg.custom_reward_function
+        reward_fn = spec.reward_fn
+        if reward_fn is None and crf.path:
+            from tearless.rewards import load_reward_function
+
+            reward_fn = load_reward_function(crf.path, crf.name)
+        self.reward = make_reward_manager(
+            cfg.reward_model,
+            reward_fn,
+            dict(crf.reward_kwargs),
+            max_response_length=arr.rollout.response_length or cfg.data.max_response_length,
+            device=str(self.device),
+        )
+        mt = arr.rollout.multi_turn
+        if mt.enable:
+            from tearless.rollout.agent import AgentLoop, AgentSettings
+            from tearless.tools import load_tools
+
+            tools = load_tools(mt.tool_config_path or spec.tool_config)
+            self.agent = AgentLoop(self.engine, self.tokenizer, tools, AgentSettings.from_config(mt))
+
+    # ------------------------------------------------------------------ rollout
+    def _rollout_weights(self):
+        """The context generation runs in: the hybrid engine's trained weights gathered from their
+        shards (nothing to do for a plain model or a separate engine)."""
+        from contextlib import nullcontext
+
+        if self.spec.cfg.actor_rollout_ref.rollout.name != "hf" or "actor" not in self.roles:
+            return nullcontext()
+        from tearless.distributed.fsdp import gathered
+
+        return gathered(self.roles["actor"].model, self._fsdp("actor").reshard_after_forward)
+
+    def generate_share(
+        self,
+        prompts: list[dict],
+        n: int,
+        keys: list[int] | None,
+        max_new_tokens: int,
+        sampling: dict[str, Any],
+    ) -> dict[str, Any] | None:
+        """``n`` responses per prompt, scored: the rollout, per-response agent info (multi-turn), the
+        scores (:func:`~tearless.workers.scoring.score_responses`) and the seconds of each part. A rank
+        with no prompts still joins the gathering of the weights (a collective) and returns None."""
+        timer = Timer()
+        with timer("gen"), self._rollout_weights():
+            if not prompts:
+                return None
+            if self.agent is not None:
+                res = self.agent.generate(prompts, n=n, max_new_tokens=max_new_tokens, keys=keys, **sampling)
+                out, info = res.out, res.rows
+            else:
+                ids = [p["input_ids"] for p in prompts]
+                out = self.engine.generate(ids, n=n, max_new_tokens=max_new_tokens, keys=keys, **sampling)
+                info = None
+        items = [p for p in prompts for _ in range(n)]
+        with timer("reward"):
+            scored = score_responses(self.tokenizer, self.reward, items, out)
+        return {"out": out, "info": info, **scored, "seconds": dict(timer.seconds), "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ forward-only passes
+    def _forward_mode(self):
+        # FSDP's all-gathers allocate parameters that later training passes reuse; inference-mode
+        # tensors cannot take part in autograd, so sharded models use no_grad.
+        return torch.no_grad() if self.world > 1 else torch.inference_mode()
+
+    def compute_log_prob(
+        self, role: str, td: TensorDict, num_micro: int, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, R) log-probs (and entropies) of this rank's rows under ``role``'s model, in
+        ``num_micro`` passes (every rank of a sharded group runs the same number)."""
+        worker = self.roles[role]
+        chunks = micro_batches(td, size=worker.micro_batch_size)
+        was_training = worker.model.training
+        worker.model.eval()
+        outs, ents = [], []
+        try:
+            with self._forward_mode(), worker.forward_context():
+                for mb in pad_micro_batches(chunks, num_micro):
+                    lp, ent = worker.forward(mb, with_entropy=with_entropy)
+                    outs.append(lp.cpu())
+                    ents.append(None if ent is None else ent.cpu())
+        finally:
+            worker.model.train(was_training)
+        real = len(chunks)
+        entropy = torch.cat(ents[:real]).clone() if with_entropy else None
+        return torch.cat(outs[:real]).clone(), entropy
+
+    def compute_values(self, td: TensorDict, num_micro: int) -> torch.Tensor:
+        """(rows, R) critic values of this rank's rows, zero outside the loss mask."""
+        critic = self.roles["critic"]
+        chunks = micro_batches(td, size=critic.s.forward_micro_batch_size_per_gpu)
+        was_training = critic.model.training
+        critic.model.eval()
+        outs = []
+        try:
+            with self._forward_mode():
+                for mb in pad_micro_batches(chunks, num_micro):
+                    values = response_values(
+                        critic.model,
+                        mb["prompt_ids"],
+                        mb["prompt_mask"],
+                        mb["response_ids"],
+                        attention_mask(mb),
+                    )
+                    outs.append(values.cpu() * mb["response_mask"])
+        finally:
+            critic.model.train(was_training)
+        return torch.cat(outs[: len(chunks)]).clone()
+
+    # ------------------------------------------------------------------ updates
+    def update(
+        self, role: str, td: TensorDict, steps: list[tuple], detached: bool = False
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Run this rank's share of a role's planned optimizer steps (:func:`run_plan`); after the
+        actor's, a separate engine in this process takes the new weights."""
+        cfg = self.spec.cfg
+        unit = self.roles[role]
+        if role == "actor":
+            s = actor_settings(cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n)
+
+            def loss_fn(mb, norm):
+                return unit.micro_loss(mb, norm, detached)
+        else:
+            s = update_settings(unit.s, cfg.actor_rollout_ref.rollout.n)
+            loss_fn = unit.micro_loss
+        offload = self.device.type == "cuda" and self._fsdp(role).optimizer_offload
+        if offload:
+            from tearless.distributed.fsdp import move_optimizer_state
+
+            move_optimizer_state(unit.optimizer, self.device)
+        additive, shared = run_plan(unit, td, steps, s, loss_fn, world=self.world)
+        if offload:
+            move_optimizer_state(unit.optimizer, "cpu")
+        if role == "actor" and self.separate_engine:
+            start = time.perf_counter()
+            self.engine.load_weights(
+                hf_weights(unit.model, resolve_dtype(rollout_dtype(cfg, self.spec.device)))
+            )
+            shared["timing_s/update_weights"] = time.perf_counter() - start
+        return additive, shared
+
+    # ------------------------------------------------------------------ weights for separate engines
+    def sync_engine(self) -> None:
+        """Load the trained policy into this rank's separate engine (vLLM), e.g. before the first step."""
+        actor = self.roles["actor"]
+        dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
+        self.engine.load_weights(hf_weights(actor.model, dtype))
+
+    def open_weight_sync(self, address: str, sync_rank: int, sync_world: int) -> None:
+        """Join the weight-broadcast group of the split placement: training rank 0 (sync rank 0) and
+        every rollout rank (gloo on CPU, NCCL on GPU)."""
+        from tearless.distributed.weight_sync import WeightBroadcast
+
+        self.weight_sync = WeightBroadcast(
+            address,
+            sync_rank,
+            sync_world,
+            device=self.device,
+            timeout_s=self.spec.cfg.trainer.worker_timeout_s,
+        )
+
+    def send_weights(self) -> float:
+        """Training ranks: gather the policy one tensor at a time; rank 0 broadcasts it to the rollout
+        ranks. Returns the seconds it took."""
+        start = time.perf_counter()
+        dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
+        for _, tensor in hf_weights(self.roles["actor"].model, dtype):
+            if self.weight_sync is not None:
+                self.weight_sync.broadcast(tensor.to(self.device).contiguous())
+        return time.perf_counter() - start
+
+    def receive_weights(self) -> float:
+        """Rollout ranks: take the policy broadcast by training rank 0 into the engine."""
+        start = time.perf_counter()
+        self.engine.load_weights(self._received())
+        return time.perf_counter() - start
+
+    def _received(self) -> Iterator[tuple[str, torch.Tensor]]:
+        dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
+        skeleton = load_causal_lm(self.spec.model_path, dtype="float32", meta=True)
+        for name, like in skeleton.state_dict().items():
+            yield name, self.weight_sync.broadcast(torch.empty(like.shape, dtype=dtype, device=self.device))
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory: str) -> dict[str, Any]:
+        """Write the trained roles into checkpoint ``directory``: rank 0 the ``save_pretrained``
+        directories (``actor/``, ``critic/``, and ``actor_merged/`` on request), every rank its
+        optimizer shard (``optim/<role>/``). Returns each role's schedule and skipped-step count."""
+        directory = Path(directory)
+        write = self.rank == 0
+        state: dict[str, Any] = {}
+        m = self.spec.cfg.actor_rollout_ref.model
+        for role in TRAINED:
+            if role not in self.roles:
+                continue
+            unit = self.roles[role]
+            save_model(unit.model, directory / role, write=write)
+            if role == "actor" and m.lora_rank > 0 and m.lora_save_merged:
+                save_model(unit.model, directory / "actor_merged", write=write, merged=True)
+            save_optimizer(unit.model, unit.optimizer, directory / "optim" / role)
+            state[role] = {"scheduler": unit.scheduler.state_dict(), "skipped_steps": unit.skipped_steps}
+        return state
+
+    def load(self, directory: str, state: dict[str, Any]) -> None:
+        """Restore the trained roles' optimizer state (any saving placement) and schedules."""
+        for role in TRAINED:
+            if role not in self.roles:
+                continue
+            unit = self.roles[role]
+            load_optimizer(unit.model, unit.optimizer, Path(directory) / "optim" / role)
+            unit.scheduler.load_state_dict(state[role]["scheduler"])
+            unit.skipped_steps = int(state[role]["skipped_steps"])
+
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (non-finite), actor and critic together."""
+        return sum(self.roles[r].skipped_steps for r in TRAINED if r in self.roles)
+
+    def close(self) -> None:
+        """Stop the reward processes (idempotent)."""
+        if self.reward is not None:
+            self.reward.close()
+            self.reward = None

@@ -1,0 +1,321 @@
+"""The update schedule, written once for every placement: plan the optimizer steps of an RL step, then
+run one rank's share of them.
+
+veRL's update: ``ppo_epochs`` passes over the step's rows, each shuffled (or not) and cut into
+mini-batches of ``rows_per_mini`` rows, one optimizer step per mini-batch. A mini-batch's losses are
+normalised by its *global* token and sequence counts (``norm``), so that any split of it into
+micro-batches, and across ranks, sums to exactly the gradient of the whole mini-batch.
+
+:func:`plan_updates` (in the driver, or in-process) draws the permutation and cuts every mini-batch
+into one part per rank, token-balanced with a prompt's responses kept together; every rank runs the
+same number of forward/backward passes (``num_micro``), because an FSDP rank all-gathers parameters
+in each one, and a rank with fewer real micro-batches (or none) runs padding passes whose loss is
+multiplied by zero. :func:`run_plan` is one rank's execution: zero-grad → micro-batches (loss × world
+size, since FSDP averages the ranks' gradients) → global gradient-norm clip → finite check agreed by
+every rank → step, or skip and count. A single process is the world-size-1 case of the same code.
+
+On-policy rows whose advantages are all zero contribute exactly nothing to a loss linear in A_t;
+``skip_rows`` leaves them out of the passes (their share of the normalisers kept), and
+:func:`skipped_rows_metrics` adds their entropy to the metrics from the sampler's own entropy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+
+from tearless.algos import agg_loss
+
+
+def attention_mask(td: TensorDict) -> torch.Tensor:
+    """The responses' attention mask: ``response_attention_mask`` when the batch has one (multi-turn
+    rollouts, where tool output is attended to but masked from the loss), else ``response_mask``."""
+    return td["response_attention_mask"] if "response_attention_mask" in td.keys() else td["response_mask"]
+
+
+def row_tokens(td: TensorDict) -> list[int]:
+    """Real (unpadded) prompt + response tokens of each row."""
+    return (td["prompt_mask"].sum(-1) + attention_mask(td).sum(-1)).tolist()
+
+
+def micro_batches(
+    td: TensorDict, *, size: int | None = None, token_budget: int | None = None
+) -> list[TensorDict]:
+    """Split ``td`` into consecutive micro-batches of ``size`` rows, or packed under ``token_budget``
+    (a row's tokens: its real prompt + response length)."""
+    rows = td.batch_size[0]
+    if token_budget is None:
+        step = size or rows
+        return [td[i : i + step] for i in range(0, rows, step)]
+    chunks, start, used = [], 0, 0
+    for i, length in enumerate(row_tokens(td)):
+        if i > start and used + length > token_budget:
+            chunks.append(td[start:i])
+            start, used = i, 0
+        used += length
+    chunks.append(td[start:rows])
+    return chunks
+
+
+def count_micro_batches(tokens: Sequence[int], *, size: int | None, token_budget: int | None) -> int:
+    """How many micro-batches :func:`micro_batches` makes of rows with these token counts."""
+    if not tokens:
+        return 0
+    if token_budget is None:
+        return math.ceil(len(tokens) / (size or len(tokens)))
+    count, used = 1, 0
+    for i, length in enumerate(tokens):
+        if i > 0 and used + length > token_budget:
+            count, used = count + 1, 0
+        used += length
+    return count
+
+
+def balanced_partition(
+    tokens: Sequence[int], groups: Sequence[Hashable] | None, world: int
+) -> list[list[int]]:
+    """Split row indices into ``world`` parts of nearly equal token sums, each ``groups`` value on one part.
+
+    Greedy longest-processing-time: units (all rows of one group, or single rows without groups) are
+    taken largest first and given to the part with the fewest tokens so far (ties: fewest rows, then
+    lowest rank); the makespan is at most 4/3 of the optimum. When there are fewer units than parts,
+    groups are broken into single rows. Parts list their rows in original order; a part is empty
+    only when there are fewer rows than parts.
+    """
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}")
+    rows = len(tokens)
+    units: dict[Hashable, list[int]] = {}
+    for i in range(rows):
+        units.setdefault(groups[i] if groups is not None else i, []).append(i)
+    unit_rows = list(units.values())
+    if len(unit_rows) < world:
+        unit_rows = [[i] for i in range(rows)]
+    unit_rows.sort(key=lambda u: (-sum(tokens[i] for i in u), u[0]))
+    parts: list[list[int]] = [[] for _ in range(world)]
+    load = [0] * world
+    for unit in unit_rows:
+        r = min(range(world), key=lambda k: (load[k], len(parts[k]), k))
+        parts[r].extend(unit)
+        load[r] += sum(tokens[i] for i in unit)
+    return [sorted(p) for p in parts]
+
+
+def mini_batch_norm(response_mask: torch.Tensor) -> dict[str, torch.Tensor | float]:
+    """The global normalisers of one mini-batch: its loss-mask tokens, its non-empty sequences and the
+    padded width (the ``loss_scale_factor`` of ``seq-mean-token-sum-norm``)."""
+    return {
+        "global_num_tokens": response_mask.sum().clamp(min=1),
+        "global_num_seqs": (response_mask.sum(-1) > 0).sum().clamp(min=1),
+        "loss_scale_factor": float(response_mask.shape[1]),
+    }
+
+
+@dataclass
+class MiniBatchPlan:
+    """One optimizer step: each rank's rows (indices into the step's batch; a rank with nothing to do
+    gets one row of the mini-batch as ``padding``), the global normalisers, the number of passes
+    every rank runs, and the rows left out as zero-advantage."""
+
+    rows: list[list[int]]
+    padding: list[bool]
+    norm: dict[str, torch.Tensor | float]
+    num_micro: int
+    skipped: list[int]
+    size: int
+
+
+@dataclass
+class UpdateSettings:
+    """What the schedule needs of an actor or critic config section (inherit-from-actor resolved)."""
+
+    rows_per_mini: int
+    epochs: int
+    shuffle: bool
+    micro_size: int | None
+    token_budget: int | None
+    grad_clip: float
+    prefix: str
+
+
+def plan_updates(
+    td: TensorDict,
+    s: UpdateSettings,
+    world: int,
+    *,
+    generator: torch.Generator | None = None,
+    skip_rows: torch.Tensor | None = None,
+) -> list[MiniBatchPlan]:
+    """The optimizer steps of one RL step over ``td``, each cut into ``world`` parts.
+
+    ``skip_rows`` (B,) marks rows to leave out of the passes (normalisers still count them); a
+    mini-batch whose rows are all marked keeps its first row, so that the step happens as it would
+    without skipping (with a zero gradient).
+    """
+    rows = td.batch_size[0]
+    tokens = row_tokens(td)
+    uids = td["uid_index"].tolist() if "uid_index" in td.keys() else None
+    plans = []
+    for _ in range(s.epochs):
+        order = torch.randperm(rows, generator=generator) if s.shuffle else torch.arange(rows)
+        for start in range(0, rows, s.rows_per_mini):
+            mini = order[start : start + s.rows_per_mini].tolist()
+            size = len(mini)
+            norm = mini_batch_norm(td["response_mask"][mini])
+            skipped: list[int] = []
+            if skip_rows is not None:
+                skipped = [i for i in mini if bool(skip_rows[i])]
+                kept = [i for i in mini if not bool(skip_rows[i])] or mini[:1]
+                skipped = [i for i in skipped if i not in kept]
+                mini = kept
+            local = balanced_partition(
+                [tokens[i] for i in mini], [uids[i] for i in mini] if uids is not None else None, world
+            )
+            parts = [[mini[j] for j in part] for part in local]
+            padding = [not p for p in parts]
+            parts = [p or mini[:1] for p in parts]
+            num_micro = max(
+                count_micro_batches([tokens[i] for i in p], size=s.micro_size, token_budget=s.token_budget)
+                for p, pad in zip(parts, padding, strict=True)
+                if not pad
+            )
+            plans.append(MiniBatchPlan(parts, padding, norm, num_micro, skipped, size))
+    return plans
+
+
+def rank_steps(plans: list[MiniBatchPlan], rank: int) -> tuple[list[int], list[tuple]]:
+    """Rank ``rank``'s rows of the step (sorted batch indices) and, per optimizer step, its rows as
+    positions in that list, whether they are padding, the normalisers and the pass count."""
+    rows = sorted({i for p in plans for i in p.rows[rank]})
+    local = {g: j for j, g in enumerate(rows)}
+    return rows, [([local[i] for i in p.rows[rank]], p.padding[rank], p.norm, p.num_micro) for p in plans]
+
+
+def skipped_rows_metrics(
+    td: TensorDict,
+    plans: list[MiniBatchPlan],
+    loss_agg_mode: str,
+    entropy_of: Callable[[TensorDict], torch.Tensor],
+) -> dict[str, float]:
+    """What the zero-advantage rows left out of the passes add to the actor's metrics, averaged over
+    optimizer steps as :func:`run_plan` averages: the share of each mini-batch skipped, and the
+    skipped rows' part of ``actor/entropy`` (normalised by their mini-batch's global counts).
+    ``entropy_of(rows)`` gives their (b, R) entropies: the sampler's when the batch has them."""
+    share, entropy = 0.0, 0.0
+    for p in plans:
+        share += len(p.skipped) / p.size
+        if p.skipped:
+            idle = td[p.skipped]
+            entropy += float(agg_loss(entropy_of(idle), idle["response_mask"], loss_agg_mode, **p.norm))
+    count = max(1, len(plans))
+    metrics = {"actor/zero_adv_rows_skipped": share / count}
+    if any(p.skipped for p in plans):
+        metrics["actor/entropy"] = entropy / count
+    return metrics
+
+
+def scheduled_update(
+    td: TensorDict,
+    s: UpdateSettings,
+    world: int,
+    run_ranks: Callable[[list[tuple[TensorDict, list[tuple]]]], list[tuple[dict, dict]]],
+    *,
+    generator: torch.Generator | None = None,
+    skip_rows: torch.Tensor | None = None,
+    skip_metrics: Callable[[list[MiniBatchPlan]], dict[str, float]] | None = None,
+) -> dict[str, float]:
+    """One role's update of an RL step in any placement: plan (:func:`plan_updates`), hand each rank
+    its rows and steps (``run_ranks`` gets one ``(rows, steps)`` per rank and returns what
+    :func:`run_plan` returned on each), and combine: additive metrics summed over ranks, shared ones
+    from rank 0, plus ``skip_metrics(plans)`` for rows left out."""
+    plans = plan_updates(td, s, world, generator=generator, skip_rows=skip_rows)
+    work = []
+    for r in range(world):
+        rows, steps = rank_steps(plans, r)
+        work.append((td[rows], steps))
+    # Before the update: the skipped rows' metrics are those of the policy that sampled them.
+    metrics: dict[str, float] = defaultdict(float, skip_metrics(plans) if skip_metrics is not None else {})
+    results = run_ranks(work)
+    for additive, _ in results:
+        for k, v in additive.items():
+            metrics[k] += v
+    metrics.update(results[0][1])
+    return dict(metrics)
+
+
+def pad_micro_batches(chunks: list[TensorDict], count: int) -> list[TensorDict]:
+    """``chunks`` followed by one-row padding chunks up to ``count``."""
+    return chunks + [chunks[0][:1]] * (count - len(chunks))
+
+
+def all_ranks_agree(flag: bool, world: int) -> bool:
+    """True only if ``flag`` is True on every rank of the default process group (a collective)."""
+    if world == 1:
+        return flag
+    import torch.distributed as dist
+
+    value = torch.tensor([1 if flag else 0])
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())
+
+
+def run_plan(
+    unit,
+    td: TensorDict,
+    steps: list[tuple],
+    s: UpdateSettings,
+    loss_fn: Callable[[TensorDict, dict], tuple[torch.Tensor, dict]],
+    *,
+    world: int = 1,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Run one rank's share (:func:`rank_steps`) of the planned optimizer steps on its rows ``td``.
+
+    ``unit`` holds ``model``, ``params``, ``optimizer``, ``scheduler`` and ``skipped_steps``;
+    ``loss_fn(mb, norm)`` returns a micro-batch's globally normalised loss and metrics. A step is
+    skipped (parameters, moments and step count untouched; ``skipped_steps`` + 1) when any rank's
+    loss or the global gradient norm is not finite: a NaN loss can come with a finite gradient from
+    a term that does not reach the parameters. The scheduler steps once per call. Returns (metrics
+    that add up over ranks, averaged over steps; metrics equal on every rank).
+    """
+    from tearless.distributed.fsdp import clip_grad_norm
+
+    unit.model.train()
+    sums: dict[str, float] = defaultdict(float)
+    grad_norms = 0.0
+    for rows, padding, norm, num_micro in steps:
+        mini = td[rows]
+        unit.optimizer.zero_grad(set_to_none=True)
+        size = None if s.token_budget else s.micro_size
+        chunks = micro_batches(mini, size=size, token_budget=s.token_budget)
+        real = 0 if padding else len(chunks)
+        finite = True
+        for i, mb in enumerate(pad_micro_batches(chunks, num_micro)):
+            loss, metrics = loss_fn(mb, norm)
+            if i < real:
+                finite = finite and bool(torch.isfinite(loss.detach()))
+                for k, v in metrics.items():
+                    sums[k] += float(v)
+            (loss * (world if i < real else 0.0)).backward()
+        finite = all_ranks_agree(finite, world)
+        grad_norm = clip_grad_norm(unit.params, s.grad_clip)
+        if finite and torch.isfinite(grad_norm):
+            unit.optimizer.step()
+        else:
+            unit.skipped_steps += 1
+            unit.optimizer.zero_grad(set_to_none=True)
+        grad_norms += float(grad_norm)
+    count = max(1, len(steps))
+    shared = {
+        f"{s.prefix}/grad_norm": grad_norms / count,
+        # The rate these steps used, before the schedule moves.
+        f"{s.prefix}/lr": unit.optimizer.param_groups[0]["lr"],
+    }
+    unit.scheduler.step()
+    shared[f"{s.prefix}/skipped_steps"] = float(unit.skipped_steps)
+    shared[f"{s.prefix}/num_optimizer_steps"] = float(len(steps))
+    return {k: v / count for k, v in sums.items()}, shared
