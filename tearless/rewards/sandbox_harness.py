@@ -41,6 +41,8 @@ sys.path.insert(0, os.getcwd())  # -I leaves the script's directory out; the two
 import sandbox_confine
 import sandbox_seccomp
 
+del sys.path[0]  # nothing else is imported from the working directory
+
 PR_SET_PDEATHSIG = 1
 # Audit events the guard refuses outright: process creation, signals to other processes, sockets,
 # native code, raising limits.
