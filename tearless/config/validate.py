@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from typing import Any
@@ -165,6 +166,19 @@ def validate(cfg: Config) -> None:
 
     _one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
     _one_of("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
+    from tearless.config.load import _all_keys
+
+    known = {key for key, _ in _all_keys()}
+    for key in cfg.trainer.resume_allow_changes:
+        if not isinstance(key, str) or key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            _fail(
+                "trainer.resume_allow_changes",
+                f"lists {key!r}, which is not a config key",
+                f"Did you mean {close[0]}?"
+                if close
+                else "List full dotted keys, as `tearless config show` prints them.",
+            )
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         _fail(
             "trainer.resume_from_path",
