@@ -23,6 +23,10 @@ ESTIMATORS = (
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
+MAX_ROLLOUT_N = 1024
+MAX_SEQUENCE_TOKENS = 1 << 20
+
+
 def _fail(key: str, problem: str, fix: str) -> None:
     from tearless.config.load import ConfigError
 
@@ -62,6 +66,18 @@ def validate(cfg: Config) -> None:
         _positive(key, value)
     _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
     _positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
+    # Sanity bounds: past them a typo (an extra zero or three) would allocate for minutes, then fail.
+    if n > MAX_ROLLOUT_N:
+        _fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound {MAX_ROLLOUT_N}",
+              "GRPO runs use 4 to 64; check for a typo.")  # fmt: skip
+    for key, value in [
+        ("data.max_prompt_length", data.max_prompt_length),
+        ("data.max_response_length", data.max_response_length),
+        ("actor_rollout_ref.rollout.response_length", rollout.response_length or 0),
+    ]:
+        if value > MAX_SEQUENCE_TOKENS:
+            _fail(key, f"{value} tokens is past the sanity bound {MAX_SEQUENCE_TOKENS} (2^20)",
+                  "Check for a typo; no model here attends over more.")  # fmt: skip
     for key, value in [
         ("trainer.total_training_steps", cfg.trainer.total_training_steps),
         ("data.val_batch_size", data.val_batch_size),

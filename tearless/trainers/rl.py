@@ -629,7 +629,8 @@ class RLTrainer:
                     metrics.update(
                         self.actor.update_policy(td, generator=_step_generator(cfg.trainer.seed, step, 1))
                     )
-                guards.check_weights(step, self.model, getattr(self.critic, "model", None), cfg)
+                critic = getattr(self.critic, "model", None)
+                guards.check_weights(step, self.model, critic, cfg, (td["prompt_ids"], td["prompt_mask"]))
                 if self.workers is None and hasattr(self.rollout, "update_weights"):
                     self.rollout.update_weights(self.model.state_dict())  # the Ray actor group syncs itself
         metrics.update(
