@@ -17,7 +17,6 @@ from typing import TextIO
 
 from tearless.trainers.records import ROLLOUTS_FILE, read_records
 
-
 # C0 controls but tab and newline, DEL, and the C1 controls (U+0080–U+009F: 8-bit CSI and friends).
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 

@@ -68,8 +68,8 @@ def validate(cfg: Config) -> None:
     _positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
     # Sanity bounds: past them a typo (an extra zero or three) would allocate for minutes, then fail.
     if n > MAX_ROLLOUT_N:
-        _fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound {MAX_ROLLOUT_N}",
-              "GRPO runs use 4 to 64; check for a typo.")  # fmt: skip
+        _fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound "
+              f"{MAX_ROLLOUT_N}", "GRPO runs use 4 to 64; check for a typo.")  # fmt: skip
     for key, value in [
         ("data.max_prompt_length", data.max_prompt_length),
         ("data.max_response_length", data.max_response_length),

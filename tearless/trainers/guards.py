@@ -69,7 +69,8 @@ def check_weights(
         )
         raise WeightsNotFinite(
             f"step {step}: the {name}'s weights (or its logits) are NaN or infinite after its update, though "
-            f"the loss and gradient norm were finite: the update was too large ({section}.optim.lr={optim.lr:g}). "
+            "the loss and gradient norm were finite: the update was too large "
+            f"({section}.optim.lr={optim.lr:g}). "
             f"Nothing of step {step} was saved; {where}. Lower {section}.optim.lr (or clip gradients "
             f"harder with {section}.grad_clip), then {again}"
         )

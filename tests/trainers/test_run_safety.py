@@ -82,7 +82,8 @@ def test_resume_is_refused_into_another_run_and_without_leave_to_change_the_opti
     # Listed: the restored optimizer takes it (constant schedule: lr = base lr), and config.json says so.
     lr = "actor_rollout_ref.actor.optim.lr"
     cfg = load_config(
-        None, [*base, "trainer.total_training_steps=2", f"{lr}=0.0002", f"trainer.resume_allow_changes=[{lr}]"]
+        None,
+        [*base, "trainer.total_training_steps=2", f"{lr}=0.0002", f"trainer.resume_allow_changes=[{lr}]"],
     )
     trainer = RLTrainer(cfg, log=lambda _: None)
     assert trainer.start_step == 1
