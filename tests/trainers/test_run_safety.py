@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -159,13 +160,19 @@ def test_an_update_that_breaks_the_weights_stops_the_run_naming_the_step(overrid
 
 
 def test_bad_reward_files_data_sources_and_unwritable_run_dirs_are_one_line_errors(
-    overrides, tmp_path, capsys
+    overrides, task, tmp_path, capsys
 ):
     broken = tmp_path / "broken_reward.py"
     broken.write_text("RATE = 1 / 0\n")
     code, err = run_cli(overrides(tmp_path / "a", *QUICK, f"custom_reward_function.path={broken}"), capsys)
     assert code == 1 and err.startswith("tearless: error: custom_reward_function.path=")
     assert "ZeroDivisionError" in err and len(err.strip().splitlines()) == 1
+    rows = pq.read_table(task.train_file).to_pylist()[:16]
+    unknown = tmp_path / "unknown.jsonl"
+    unknown.write_text("".join(json.dumps({**row, "data_source": "no-such-source"}) + "\n" for row in rows))
+    code, err = run_cli(overrides(tmp_path / "b", *QUICK, f"data.train_files={unknown}"), capsys)
+    assert code == 1 and "no built-in reward function for data_source 'no-such-source'" in err
+    assert len(err.strip().splitlines()) == 1
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     code, err = run_cli(overrides(blocker / "run", *QUICK), capsys)
