@@ -74,13 +74,14 @@ def is_bookkeeping(key: str) -> bool:
 
 def config_differences(saved: dict[str, Any], cfg: Config) -> tuple[list[str], list[str]]:
     """``(identity keys, other non-bookkeeping keys)`` whose values differ between the saved config
-    (a nested dict, as checkpoints keep it) and ``cfg``."""
+    (a nested dict, as checkpoints keep it) and ``cfg``; keys only one of them has are skipped."""
     old, new = flatten(saved), flatten(json.loads(json.dumps(to_dict(cfg), default=str)))
     compared = IDENTITY_KEYS + (TASK_KEYS if uses_embedded_task(old) or uses_embedded_task(new) else ())
     identity = [k for k in compared if normalise(k, old.get(k)) != normalise(k, new.get(k))]
+    # A key only one side has (added or removed by another tearless version) cannot be compared.
     others = [
         k
-        for k in sorted(set(old) | set(new))
+        for k in sorted(set(old) & set(new))
         if k not in IDENTITY_KEYS
         and k not in TASK_KEYS
         and not is_bookkeeping(k)
