@@ -110,7 +110,7 @@ class SandboxLimits:
         memory_mb: address-space limit per process, in MiB (at least 64: the interpreter needs it).
         file_size_mb: largest file the program may write, stdout included, in MiB.
         max_processes: tasks (processes and threads) the sandbox may have at once; the harness and
-            the test's own process count.
+            the test's own process count, the sandbox's PID 1 does not.
         guard: install the Python audit-hook guard before the program runs.
     """
 
