@@ -289,6 +289,24 @@ NON_ROOT_SCRIPT = """
 import json, os, sys
 sys.path.insert(0, {repo!r})
 import tearless.rewards.sandbox as sandbox
+
+
+def stat(pid):
+    return open(f"/proc/{{pid}}/stat").read().rsplit(")", 1)[1].split()
+
+
+def running():  # this uid's live processes (without root: the user's others too, hence before/after)
+    found = set()
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{{p}}").st_uid == os.getuid() and stat(p)[0] not in "ZX":
+                found.add(p)
+        except OSError:
+            continue
+    return found
+
+
+before = running()
 limits = sandbox.SandboxLimits(time_limit_s=1.0)
 ok = sandbox.run_in_sandbox("print(int(input()) * 2)", ["21"], limits=limits)
 bomb = sandbox.run_in_sandbox(
@@ -297,10 +315,7 @@ bomb = sandbox.run_in_sandbox(
     ["", ""],
     limits=sandbox.SandboxLimits(time_limit_s=1.0, guard=False),
 )
-me = os.getuid()
-left = [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())
-        and os.path.exists(f"/proc/{{p}}") and os.stat(f"/proc/{{p}}").st_uid == me
-        and open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[0] not in "ZX"]
+left = sorted(running() - before)
 print(json.dumps({{
     "protections": ok.protections, "ok": [ok.runs[0].status, ok.runs[0].output],
     "bomb": [r.status for r in bomb.runs], "left": left,
