@@ -36,6 +36,7 @@ from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
+from tearless.trainers import guards, resume_compat, runlock
 from tearless.trainers.metrics import Timer, data_metrics, pass_at_k, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
@@ -339,14 +340,12 @@ class RLTrainer:
                     "or delete them"
                 )
             return 0, None
-        path = (
-            Path(t.resume_from_path)
-            if t.resume_mode == "resume_path"
-            else ckpt.latest_checkpoint(self.run_dir)
-        )
+        from_path = t.resume_from_path if t.resume_mode == "resume_path" else None
+        path = ckpt.checkpoint_to_resume(self.run_dir, from_path, log=self.log)
         if path is None:
             return 0, None
         state = ckpt.load_state(path)
+        resume_compat.check_resume(state.get("config"), self.cfg, path, log=self.log)
         self._resume_state = state
         return int(state["global_step"]), path
 
@@ -368,11 +367,22 @@ class RLTrainer:
                 self.critic.scheduler.load_state_dict(state["critic_scheduler"])
                 self.critic.skipped_steps = int(state.get("critic_skipped_steps", 0))
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.workers is None:  # the restored optimizer and KL take the (allowed) new settings
+            resume_compat.apply_config(self._optimizers(), self.kl_ctrl, self.cfg)
         self.batches_consumed = state["batches_consumed"]
         self.bad_steps = int(state.get("bad_steps", 0))
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.log(f"resumed from {path} at step {self.start_step}")
+
+    def _optimizers(self) -> dict[str, tuple[Any, Any, Any]]:
+        """name -> (optimizer, scheduler, optim config) of the local placement's trained models."""
+        found = {
+            "actor": (self.actor.optimizer, self.actor.scheduler, self.cfg.actor_rollout_ref.actor.optim)
+        }
+        if self.critic is not None:
+            found["critic"] = (self.critic.optimizer, self.critic.scheduler, self.cfg.critic.optim)
+        return found
 
     def save(self, step: int, metrics: dict[str, Any] | None = None) -> Path:
         """Checkpoint ``global_step_{step}``. ``metrics`` (the step's metrics line) is kept in it, so a
@@ -619,6 +629,8 @@ class RLTrainer:
                     metrics.update(
                         self.actor.update_policy(td, generator=_step_generator(cfg.trainer.seed, step, 1))
                     )
+                critic = getattr(self.critic, "model", None)
+                guards.check_weights(step, self.model, critic, cfg, (td["prompt_ids"], td["prompt_mask"]))
                 if self.workers is None and hasattr(self.rollout, "update_weights"):
                     self.rollout.update_weights(self.model.state_dict())  # the Ray actor group syncs itself
         metrics.update(
@@ -750,7 +762,13 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- the loop
     def fit(self) -> dict[str, Any]:
-        """Train to ``total_steps``; return the run directory and validation before and after."""
+        """Train to ``total_steps``; return the run directory and validation before and after.
+
+        Holds the run directory's lock throughout (:mod:`tearless.trainers.runlock`)."""
+        with runlock.acquire(self.run_dir):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint we start from are replayed, so their old records go (all of them
