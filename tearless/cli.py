@@ -82,14 +82,33 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(cfg))
         return 0
     from tearless.data.rows import DataError
+    from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
     from tearless.trainers.checkpoint import CheckpointError
+    from tearless.trainers.guards import WeightsNotFinite
+    from tearless.trainers.resume_compat import ResumeMismatch
     from tearless.trainers.rl import RLTrainer, TrainingStopped
+    from tearless.trainers.runlock import RunLocked
 
+    explained = (
+        DataError, CheckpointError, TrainingStopped, FileNotFoundError, FileExistsError, RunLocked,
+        ResumeMismatch, WeightsNotFinite, RewardError, RewardFunctionError, UnknownDataSource,
+    )  # fmt: skip
     try:
         summary = RLTrainer(cfg).fit()
-    except (DataError, CheckpointError, TrainingStopped, FileNotFoundError, FileExistsError) as e:
+    except explained as e:
         # Bad input and clean stops carry their own explanation; a traceback would only bury it.
         print(f"tearless: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno is None:
+            raise
+        # The machine refused a write or read (disk full, read-only, permissions): one line, and
+        # what survives. Checkpoints are written atomically, so the newest complete one is intact.
+        print(
+            f"tearless: error: {e}. The run stopped; its newest complete checkpoint is intact and "
+            "trainer.resume_mode=auto continues from it once the cause is fixed",
+            file=sys.stderr,
+        )
         return 1
     print(format_summary(summary))
     return 0

@@ -1,17 +1,29 @@
 """``tearless samples RUN_DIR``: pick rollout records of a run and print them for a person to read.
 
 Uses rich when it is installed (a panel per sample), plain text otherwise; the content is the same.
+Model output is untrusted text: control characters (terminal escape sequences, carriage returns,
+backspaces, the C1 controls) are printed as visible ``\\x1b``-style escapes, never sent to the
+terminal, so a response cannot recolour, rewrite or hide what is printed around it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TextIO
 
 from tearless.trainers.records import ROLLOUTS_FILE, read_records
+
+# C0 controls but tab and newline, DEL, and the C1 controls (U+0080–U+009F: 8-bit CSI and friends).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def visible(text: str) -> str:
+    r"""``text`` with every control character but tab and newline written as ``\xNN``."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def select_samples(
@@ -55,7 +67,7 @@ def _header(r: dict) -> str:
         f"advantage {r.get('advantage', 0.0):+.3f}",
         f"{r.get('response_length')} tokens" + (" (truncated)" if r.get("truncated") else ""),
     ]
-    return " · ".join(parts)
+    return visible(" · ".join(parts))
 
 
 def _fields(r: dict) -> list[tuple[str, str]]:
@@ -69,7 +81,7 @@ def _fields(r: dict) -> list[tuple[str, str]]:
         fields.append(("reward components", ", ".join(f"{k}={v:g}" for k, v in r["reward_extra"].items())))
     if r.get("tool_calls"):
         fields.append(("tool calls", json.dumps(r["tool_calls"], indent=1)))
-    return fields
+    return [(label, visible(text)) for label, text in fields]
 
 
 def format_plain(samples: list[dict]) -> str:

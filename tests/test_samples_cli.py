@@ -98,3 +98,16 @@ def test_the_installed_command_runs(run_dir):
     )
     assert proc.returncode == 0, proc.stderr
     assert "answer 7" in proc.stdout and "answer 4" not in proc.stdout
+
+
+@pytest.mark.parametrize("use_rich", [False, True])
+def test_terminal_escapes_in_model_output_are_printed_visibly(use_rich):
+    # A response that would clear the screen, recolour the text, return the cursor and set the
+    # window title (OSC ... BEL), and an 8-bit CSI: none of it reaches the terminal as a control.
+    hostile = record(1, "1+1=", "\x1b[2J\x1b[31mfake score 1.0\x1b[0m\rX\x9b0m", 0.0, "arith\x1b]0;t\x07")
+    stream = io.StringIO()
+    print_samples([hostile], stream=stream, use_rich=use_rich)
+    out = stream.getvalue()
+    assert not any(c in out for c in "\x1b\r\x07\x9b")
+    assert "\\x1b[2J\\x1b[31mfake score 1.0\\x1b[0m\\x0dX\\x9b0m" in out
+    assert "arith\\x1b]0;t\\x07" in out

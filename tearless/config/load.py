@@ -165,6 +165,13 @@ def load_config(
             if isinstance(e, TypeError):
                 raise ConfigError(f"{source} does not fit the config's structure: {e}") from e
             raise _explain(e, source, schema) from e
+    if schema is Config and merged.trainer.experiment_name is None:
+        from tearless.config.identity import default_experiment_name
+
+        # Derived from the model, data and estimator, so that different runs get different directories.
+        merged.trainer.experiment_name = default_experiment_name(
+            OmegaConf.to_container(merged, resolve=False)
+        )
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

@@ -363,7 +363,12 @@ class TrainerConfig:
         None, "stop after this many steps; null = epochs × batches per epoch"
     )
     project_name: str = doc("tearless", "project name (run directory and loggers)")
-    experiment_name: str = doc("default", "experiment name (run directory and loggers)")
+    experiment_name: str | None = doc(
+        None,
+        "experiment name (run directory and loggers); null = derived from the model, data and "
+        "estimator: <task>-<estimator> for the embedded task (arithmetic-grpo), else "
+        "<model>-<data>-<estimator>-<6-hex hash of them>, so different runs never share a directory",
+    )
     logger: list = doc(
         ["console", "jsonl"],
         "loggers: console | jsonl | tensorboard | wandb | mlflow (mlflow: characters it forbids in "
@@ -379,6 +384,14 @@ class TrainerConfig:
     val_only: bool = doc(False, "validate and stop")
     resume_mode: str = doc("auto", "auto (latest complete checkpoint) | disable | resume_path")
     resume_from_path: str | None = doc(None, "a global_step_N directory, with resume_mode=resume_path")
+    resume_allow_changes: list = doc(
+        [],
+        "keys that may differ from the checkpoint's config on resume "
+        "(e.g. [actor_rollout_ref.actor.optim.lr]); a resume that changes any other key that alters "
+        "the optimisation is refused, one that changes the model, data or estimator always is. "
+        "Bookkeeping keys (steps, logging, checkpoints, micro-batch sizes, validation, workers) may "
+        "always change. A changed optimizer setting is applied to the restored optimizer",
+    )
     max_actor_ckpt_to_keep: int | None = doc(None, "keep only the newest N checkpoints; null = all")
     seed: int = doc(1, "seed of every random choice (sampling, shuffling, initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")

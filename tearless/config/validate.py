@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from typing import Any
@@ -20,6 +21,10 @@ ESTIMATORS = (
     "grpo_passk",
 )
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+MAX_ROLLOUT_N = 1024
+MAX_SEQUENCE_TOKENS = 1 << 20
 
 
 def _fail(key: str, problem: str, fix: str) -> None:
@@ -61,6 +66,18 @@ def validate(cfg: Config) -> None:
         _positive(key, value)
     _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
     _positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
+    # Sanity bounds: past them a typo (an extra zero or three) would allocate for minutes, then fail.
+    if n > MAX_ROLLOUT_N:
+        _fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound "
+              f"{MAX_ROLLOUT_N}", "GRPO runs use 4 to 64; check for a typo.")  # fmt: skip
+    for key, value in [
+        ("data.max_prompt_length", data.max_prompt_length),
+        ("data.max_response_length", data.max_response_length),
+        ("actor_rollout_ref.rollout.response_length", rollout.response_length or 0),
+    ]:
+        if value > MAX_SEQUENCE_TOKENS:
+            _fail(key, f"{value} tokens is past the sanity bound {MAX_SEQUENCE_TOKENS} (2^20)",
+                  "Check for a typo; no model here attends over more.")  # fmt: skip
     for key, value in [
         ("trainer.total_training_steps", cfg.trainer.total_training_steps),
         ("data.val_batch_size", data.val_batch_size),
@@ -165,6 +182,19 @@ def validate(cfg: Config) -> None:
 
     _one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
     _one_of("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
+    from tearless.config.load import _all_keys
+
+    known = {key for key, _ in _all_keys()}
+    for key in cfg.trainer.resume_allow_changes:
+        if not isinstance(key, str) or key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            _fail(
+                "trainer.resume_allow_changes",
+                f"lists {key!r}, which is not a config key",
+                f"Did you mean {close[0]}?"
+                if close
+                else "List full dotted keys, as `tearless config show` prints them.",
+            )
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         _fail(
             "trainer.resume_from_path",

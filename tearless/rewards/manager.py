@@ -30,6 +30,15 @@ _ITEM_KEYS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _module_ids = itertools.count()
 
 
+class RewardError(RuntimeError):
+    """Scoring cannot run at all (the code sandbox cannot start here): stop rather than score 0."""
+
+
+class RewardFunctionError(ImportError, ValueError):
+    """``custom_reward_function.path`` / ``.name`` cannot be loaded; the message names the key and
+    the fix. (An ImportError and a ValueError, as the two failures were before it existed.)"""
+
+
 @dataclass
 class ScoreResult:
     """The reward of one sample.
@@ -63,9 +72,9 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Calla
     sys.modules[module_name] = module
     try:
         loader.exec_module(module)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit at import time too
         del sys.modules[module_name]
-        raise ImportError(
+        raise RewardFunctionError(
             f"custom_reward_function.path={str(path)!r}: importing the file raised "
             f"{type(exc).__name__}: {exc}"
         ) from exc
@@ -79,7 +88,7 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Calla
             and getattr(value, "__module__", None) == module_name
         )
         what = "is not defined" if fn is None else f"is a {type(fn).__name__}, not a function"
-        raise ValueError(
+        raise RewardFunctionError(
             f"custom_reward_function.name={name!r} {what} in {file}; the callables it defines are "
             f"{', '.join(defined) or '(none)'}: set custom_reward_function.name to one of them"
         )
@@ -99,8 +108,9 @@ class RewardManager:
             interpreter.
         timeout_s: wall-clock limit per sample, from when a worker starts it. A sample past it gets
             ``failure_score`` and its worker is killed (SIGKILL) and replaced.
-        failure_score: the score of a sample whose function raised, timed out, killed its worker
-            twice or returned something that is not a finite number.
+        failure_score: the score of a sample whose function raised, exited, timed out, killed its
+            worker twice or returned something that is not a finite number within ±1e6
+            (:data:`~tearless.rewards.pool.MAX_ABS_SCORE`).
         reward_kwargs: keyword arguments added to every call (veRL's ``reward_kwargs``).
 
     Workers are forked, so this needs a platform with ``fork`` (Linux, macOS) when ``num_workers > 0``.
@@ -171,9 +181,14 @@ class RewardManager:
         if not requests:
             return []
         if self.num_workers == 0:
-            outcomes = [evaluate(self.score_fn, self.reward_kwargs, r) for r in requests]
+            # SystemExit too: a scorer calling sys.exit() is a failed sample, not the trainer's end.
+            catch = (Exception, SystemExit)
+            outcomes = [evaluate(self.score_fn, self.reward_kwargs, r, catch) for r in requests]
         else:
             outcomes = self._get_pool().run(requests)
+        fatal = next((o[1] for o in outcomes if o[0] == "fatal"), None)
+        if fatal is not None:
+            raise RewardError(f"reward scoring cannot run: {fatal}")
         return [
             ScoreResult(o[1], o[2]) if o[0] == "ok" else ScoreResult(self.failure_score, {}, o[1])
             for o in outcomes

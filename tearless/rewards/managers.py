@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from tearless.rewards.manager import RewardManager, ScoreResult
+from tearless.rewards.manager import RewardError, RewardManager, ScoreResult
 from tearless.rewards.pool import check_value
 from tearless.rewards.registry import compute_score
+from tearless.rewards.sandbox import SandboxError
 
 REWARD_MANAGERS = ("naive", "batch", "prime", "dapo")
 _BATCH_KEYS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
@@ -90,11 +92,18 @@ class BatchRewardManager(_Manager):
     def score(self, items: Sequence[dict]) -> list[ScoreResult]:
         # data_sources=[item["data_source"], …], solution_strs=…, ground_truths=…, extra_infos=…
         columns = {key: [item[key.removesuffix("s")] for item in items] for key in _BATCH_KEYS}
+        pid = os.getpid()
         try:
             values = self.batch_fn(**columns, **self.reward_kwargs)
-        except Exception as exc:
+        except SandboxError as exc:
+            raise RewardError(f"reward scoring cannot run: {exc}") from exc
+        except (Exception, SystemExit) as exc:  # sys.exit() in it fails the batch, not the trainer
+            if os.getpid() != pid:
+                os._exit(0)  # a process it forked must not go on as a second trainer
             error = f"raised: {type(exc).__name__}: {exc}"
             return [ScoreResult(self.failure_score, {}, error) for _ in items]
+        if os.getpid() != pid:
+            os._exit(0)
         if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):
             raise TypeError(
                 f"the batch reward function returned a {type(values).__name__}; it must return a list "

@@ -7,7 +7,16 @@ sample as soon as it is scored. The parent therefore knows which sample each wor
 when, and kills (SIGKILL) a worker whose current sample runs past the deadline, or notices one that
 died, and forks a replacement, so the pool keeps its size.
 
-Outcomes are ``("ok", score, extras)`` or ``("err", message)``.
+Outcomes are ``("ok", score, extras)``, ``("err", message)`` or ``("fatal", message)`` (the code
+sandbox cannot run at all, :class:`~tearless.rewards.sandbox.SandboxError`: every sample would fail
+the same way, so the manager stops the run instead of scoring it 0).
+
+What user code may do without breaking the pool: raise, call ``sys.exit``, kill its own worker,
+fork (a child that returns from the reward function exits at once and never touches the pipe),
+leave processes behind (each worker is a child subreaper in its own process group: after every
+sample it kills what the sample left, and the parent kills a worker's whole tree with it), or write
+garbage to the pipe (every answer must name the sample the worker is on, or the worker is replaced
+and the sample scored again).
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ _MAX_CHUNK = 64
 _PARENT_CHECK_S = 1.0
 # SIGKILL'd processes exit at once; this only bounds the wait for one stuck in the kernel.
 _REAP_TIMEOUT_S = 5.0
+# A score beyond this magnitude is a bug, not a reward: it would overflow float32 (1e39 reached the
+# logs as Infinity) or swamp every other sample's advantage.
+MAX_ABS_SCORE = 1e6
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def evaluate(
@@ -44,8 +57,15 @@ def evaluate(
     request: Request,
     catch: type[BaseException] | tuple[type[BaseException], ...] = Exception,
 ) -> Outcome:
-    """Call the reward function on one sample and check what it returned."""
+    """Call the reward function on one sample and check what it returned.
+
+    A process the function forked that returns from it here exits at once: it must not go on as a
+    copy of the caller (a second trainer, or a second worker reading the same pipe).
+    """
+    from tearless.rewards.sandbox import SandboxError
+
     data_source, solution_str, ground_truth, extra_info = request
+    pid = os.getpid()
     try:
         value = score_fn(
             data_source=data_source,
@@ -54,8 +74,16 @@ def evaluate(
             extra_info=extra_info,
             **kwargs,
         )
+    except SandboxError as exc:
+        if os.getpid() != pid:
+            os._exit(0)
+        return ("fatal", str(exc))
     except catch as exc:
+        if os.getpid() != pid:
+            os._exit(0)
         return ("err", f"raised: {type(exc).__name__}: {exc}")
+    if os.getpid() != pid:
+        os._exit(0)
     return check_value(value)
 
 
@@ -65,8 +93,9 @@ def check_value(value: Any) -> Outcome:
     The score is a real number (a bool, int, float, numpy scalar, or a one-element tensor or array,
     through ``.item()``) or a dict's ``score``. A dict's other finite numeric (and bool) values are
     kept as extras; non-numeric or non-finite ones (a predicted string, a NaN) are dropped, since
-    extras are logged as numbers. Anything else (None, a string, a NaN or an int too large for a
-    float) is an ``("err", why)`` outcome, never an exception.
+    extras are logged as numbers, and so are extras beyond ±:data:`MAX_ABS_SCORE`. Anything else
+    (None, a string, a NaN, a score beyond ±:data:`MAX_ABS_SCORE`) is an ``("err", why)`` outcome,
+    never an exception.
     """
     if isinstance(value, dict):
         if "score" not in value:
@@ -75,7 +104,7 @@ def check_value(value: Any) -> Outcome:
         extras = {}
         for key, extra in value.items():
             number = _as_float(extra) if key != "score" else None
-            if number is not None and math.isfinite(number):
+            if number is not None and math.isfinite(number) and abs(number) <= MAX_ABS_SCORE:
                 extras[str(key)] = number
         score = value["score"]
     else:
@@ -89,6 +118,8 @@ def check_value(value: Any) -> Outcome:
         )
     if not math.isfinite(number):
         return ("err", f"returned a non-finite score ({number})")
+    if abs(number) > MAX_ABS_SCORE:
+        return ("err", f"returned an absurd score ({number:g}); beyond ±{MAX_ABS_SCORE:g} is a failure")
     return ("ok", number, extras)
 
 
@@ -119,6 +150,17 @@ def _short(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
+def _well_formed(message: Any, expected: int) -> bool:
+    if not (isinstance(message, tuple) and len(message) == 2 and message[0] == expected):
+        return False
+    outcome = message[1]
+    if not isinstance(outcome, tuple) or not outcome:
+        return False
+    if outcome[0] == "ok":
+        return len(outcome) == 3 and isinstance(outcome[1], float) and isinstance(outcome[2], dict)
+    return outcome[0] in ("err", "fatal") and len(outcome) == 2 and isinstance(outcome[1], str)
+
+
 def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, to_close: list) -> None:
     # The fork copied the parent's ends of every pipe; holding them would keep other workers (and
     # this one) from seeing end-of-file when the parent goes away.
@@ -126,6 +168,9 @@ def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, t
         other.close()
     # Ctrl-C reaches the whole process group; the parent decides what happens to workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Its own process group and a subreaper: whatever a sample forks stays findable (see kill_tree).
+    os.setpgid(0, 0)
+    _set_subreaper()
     # Several workers each running torch's full intra-op thread pool would oversubscribe the cores,
     # and an OpenMP pool used before the fork can deadlock in the child.
     if "torch" in sys.modules:
@@ -144,7 +189,62 @@ def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, t
             return
         for index, request in chunk:
             # BaseException too: a scorer calling sys.exit() is a failed sample, not a dead worker.
-            conn.send((index, evaluate(score_fn, kwargs, request, BaseException)))
+            outcome = evaluate(score_fn, kwargs, request, BaseException)
+            _kill_leftovers()
+            conn.send((index, outcome))
+
+
+def _set_subreaper() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: leftovers are found by process group only
+        pass
+
+
+def _kill_leftovers() -> None:
+    """In a worker: kill every process the last sample left (they are all its descendants, orphans
+    included, since the worker is a subreaper) and reap them."""
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return  # no child at all: the common case, one system call
+    for _ in range(100):  # a fork bomb may refill the tree while it is killed; each round shrinks it
+        if not kill_tree(os.getpid(), include_root=False):
+            break
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                return
+
+
+def kill_tree(pid: int, *, include_root: bool = True) -> list[int]:
+    """SIGKILL ``pid``'s descendants (found through /proc, children before their parents are reaped)
+    and, with ``include_root``, ``pid`` itself; return the pids signalled."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        found.append(child)
+        stack.extend(children.get(child, []))
+    for target in [*found, pid] if include_root else found:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return found
 
 
 class _Worker:
@@ -156,9 +256,14 @@ class _Worker:
         self.lost = False  # its pipe broke: it is dead or dying
 
     def kill(self) -> None:
-        """SIGKILL the process (if it still runs), reap it and close the pipe; safe to call twice."""
+        """SIGKILL the process with everything it started (if it still runs), reap it and close the
+        pipe; safe to call twice."""
         if self.process.exitcode is None:
-            self.process.kill()
+            kill_tree(self.process.pid)
+            try:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.process.join(_REAP_TIMEOUT_S)
         self.conn.close()
 
@@ -278,15 +383,20 @@ class WorkerPool:
     def _collect(self, w: _Worker, outcomes: list) -> None:
         try:
             while w.queue and w.conn.poll():
-                index, outcome = w.conn.recv()
-                # A worker answers its chunk in order, so the answer is for the head of its queue.
+                message = w.conn.recv()
+                # A worker answers its chunk in order: the answer must name the head of its queue
+                # and be a well-formed outcome, or something else wrote to the pipe.
+                if not _well_formed(message, w.queue[0]):
+                    w.lost = True
+                    return
                 w.queue.popleft()
-                outcomes[index] = outcome
+                outcomes[message[0]] = message[1]
                 w.started = time.monotonic()
-        except (EOFError, OSError):
+        except Exception:  # EOF, a broken pipe, or bytes that do not unpickle
             w.lost = True
 
     def _on_death(self, w: _Worker, outcomes: list, pending: deque, deaths: list[int]) -> None:
+        # Also a worker whose pipe carried something that is not an answer: it is killed like a dead one.
         w.kill()
         self.lost += 1
         if w.queue:

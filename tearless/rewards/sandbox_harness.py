@@ -1,22 +1,27 @@
 """The program that runs inside the code sandbox (a script: standard library only, never imported).
 
-:mod:`tearless.rewards.sandbox` copies this file into a fresh working directory holding
-``job.json``, ``solution.py``, one input file per test (``in/<i>``) and empty ``out``, ``err``,
-``res`` and ``scratch`` directories, and starts it as ``python -I -B sandbox_harness.py`` there.
-The harness
+:mod:`tearless.rewards.sandbox` copies this file, :mod:`~tearless.rewards.sandbox_confine` and
+:mod:`~tearless.rewards.sandbox_seccomp` into a fresh working directory holding ``job.json``,
+``solution.py``, one input file per test (``in/<i>``) and empty ``out``, ``err`` and ``res``
+directories, and starts it as ``python -I -B sandbox_harness.py`` there. The harness
 
-1. confines itself (:func:`confine`): as root, private mount and network namespaces, a size-capped
-   tmpfs on ``scratch``, then a fresh unprivileged uid; resource limits in every case. Before
-   dropping root it opens every file a test will use (:func:`open_test_files`), so the program
-   needs, and gets, no access to the working directory itself;
-2. compiles ``solution.py`` once;
-3. runs each test in a forked child (:func:`run_child`) with its own CPU and wall-clock limit: stdin
+1. opens every file a test will use (:func:`open_test_files`): the program never needs, and never
+   sees, the working directory;
+2. confines itself. Full isolation (the default): new PID, mount, IPC, network, UTS (and, without
+   root, user) namespaces, an empty read-only root with only the interpreter and its libraries,
+   a private ``/tmp`` and ``/dev/shm``, no capabilities (:func:`sandbox_confine.isolate`), then
+   the system-call filter (:func:`sandbox_seccomp.install`). Weak isolation (only when the user
+   asked for it): resource limits and process-group kills alone. Resource limits in both;
+3. compiles ``solution.py`` once;
+4. with full isolation forks the sandbox's PID 1 (:func:`run_tests` runs there) and waits for it;
+5. runs each test in a forked child (:func:`run_child`) with its own CPU and wall-clock limit: stdin
    from ``in/<i>``, stdout to ``out/<i>`` and stderr to ``err/<i>`` (RLIMIT_FSIZE caps both), for
-   function-call tests the JSON of the return value on fd 3 (``res/<i>``), ``scratch`` as its
-   current directory, and the audit-hook guard (:func:`install_guard`) installed before the
-   untrusted code runs;
-4. after each test kills whatever the test left running, empties ``scratch``, and writes one JSON
-   line per event to stdout: ``{"protections": [...]}`` first, then ``{"start": i, "pgid": g}`` and
+   function-call tests the JSON of the return value on fd 3 (``res/<i>``), the scratch directory
+   as its current directory, and the audit-hook guard (:func:`install_guard`, a second layer that
+   stops careless code early) installed before the untrusted code runs;
+6. after each test kills every other process of the sandbox (PID 1's ``kill(-1)`` reaches exactly
+   the namespace), empties the scratch directory, and writes one JSON line per event to stdout:
+   ``{"protections": [...], "cgroup": path}`` first, then ``{"start": i, "pgid": g}`` and
    ``{"test": i, "status": ..., ...}`` per test, or ``{"compile_error": msg}``.
 
 Expected outputs never enter the sandbox: the parent compares them with what the tests wrote.
@@ -32,18 +37,19 @@ import sys
 import time
 import traceback
 
-UID_BASE = 0x40000000  # sandbox uid = UID_BASE + harness pid: unique while the harness lives
-CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-# Shared world-writable directories: each is covered by an empty root-owned tmpfs in the namespace.
-SHARED_WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+sys.path.insert(0, os.getcwd())  # -I leaves the script's directory out; the two modules beside it
+import sandbox_confine
+import sandbox_seccomp
+
+del sys.path[0]  # nothing else is imported from the working directory
+
+PR_SET_PDEATHSIG = 1
 # Audit events the guard refuses outright: process creation, signals to other processes, sockets,
 # native code, raising limits.
 BLOCKED_EVENT_PREFIXES = (
     "socket.", "ctypes.", "subprocess.", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn",
-    "os.system", "os.kill", "os.killpg", "signal.pthread_kill", "resource.setrlimit", "resource.prlimit",
-    "sys.remote_exec",
+    "os.system", "os.kill", "os.killpg", "signal.pthread_kill", "signal.pidfd_send_signal",
+    "resource.setrlimit", "resource.prlimit", "sys.remote_exec",
 )  # fmt: skip
 BLOCKED_MODULES = ("_posixsubprocess", "_ctypes", "ctypes")
 # Audit events whose first (or first two) path arguments must stay inside the scratch directory.
@@ -54,30 +60,15 @@ PATH_EVENTS = {
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def libc():
-    import ctypes
-
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def check(result, what):
-    if result != 0:
-        import ctypes
-
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def confine(job):
-    """Apply the isolation the job asks for; return the protections in force, a libc handle and
-    the open files of every test (see :func:`open_test_files`).
-
-    Privileged (the parent is root): private mount and network namespaces where the kernel allows
-    them, then a uid of its own (so RLIMIT_NPROC applies and file permissions keep it out of
-    everything it does not own). Otherwise resource limits only.
-    """
-    workdir = os.getcwd()
+def confine(job, lib):
+    """Isolate (see the module docs); return the protections in force, the memory cgroup (or None)
+    and the open files of every test (see :func:`open_test_files`)."""
     n = job["num_tests"]
+    files_needed = 4 * n + 32
+    if files_needed > resource.getrlimit(resource.RLIMIT_NOFILE)[1] and os.geteuid() != 0:
+        raise OSError(f"{n} tests need {files_needed} open files, over this user's RLIMIT_NOFILE")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (files_needed, files_needed))
+    files = open_test_files(n)
     cpu_total = int(n * (int(job["time_limit_s"]) + 2) + 10)
     limits = [
         (resource.RLIMIT_AS, job["memory_bytes"]),
@@ -85,103 +76,48 @@ def confine(job):
         (resource.RLIMIT_CPU, cpu_total),
         (resource.RLIMIT_CORE, 0),
     ]
-    protections = ["rlimit_cpu", "rlimit_as", "rlimit_fsize", "wall_clock_kill", "process_group_kill"]
-    lib = libc()
-    files_needed = 4 * n + 32
-    if files_needed > resource.getrlimit(resource.RLIMIT_NOFILE)[1] and not job["privileged"]:
-        raise OSError(f"{n} tests need {files_needed} open files, over this user's RLIMIT_NOFILE")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (files_needed, files_needed))
-    if not job["privileged"]:
-        # RLIMIT_NPROC counts every process of the real uid, so the budget goes on top of the
-        # processes this user already has.
-        limits.append((resource.RLIMIT_NPROC, count_user_tasks(os.getuid()) + job["max_processes"]))
-        for which, value in limits:
-            resource.setrlimit(which, (value, value))
-        protections.append("rlimit_nproc_approx")
-        return finish(job, protections, lib, open_test_files(n))
-    uid = UID_BASE + os.getpid()
-    try:
-        check(lib.unshare(CLONE_NEWNS | CLONE_NEWNET), "unshare(mount, network namespaces)")
-    except OSError as exc:  # a container without CAP_SYS_ADMIN: the uid switch still works
-        protections.append(f"no_namespaces ({exc})")
+    protections = ["rlimit_cpu", "rlimit_as", "rlimit_fsize", "wall_clock_kill"]
+    cgroup = None
+    if job["isolation"] == "full":
+        more, cgroup = sandbox_confine.isolate(lib, job)
+        # The sandbox's uid is its own (or its user namespace's), so the budget is exact; PID 1 is
+        # not counted against it.
+        limits.append((resource.RLIMIT_NPROC, job["max_processes"] + 1))
+        protections += [*more, "rlimit_nproc", "namespace_kill"]
+        files.append(os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
     else:
-        check(lib.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
-        opts = f"size={job['file_bytes']},nr_inodes=1024,mode=0700,uid={uid},gid={uid}".encode()
-        check(lib.mount(b"tmpfs", b"scratch", b"tmpfs", MS_NOSUID | MS_NODEV, opts), "tmpfs scratch")
-        cover_and_expose(lib, [*job["expose"], workdir])
-        os.chdir(workdir)  # the bind mount now at that path, not the covered original
-        protections += ["network_namespace", "private_mounts", "scratch_tmpfs"]
-    files = open_test_files(n)
-    os.chown(files[-1], uid, uid)  # scratch (the tmpfs already belongs to uid; a plain directory not)
-    limits.append((resource.RLIMIT_NPROC, job["max_processes"]))
+        os.mkdir("scratch", 0o700)
+        files.append(os.open("scratch", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
+        if os.geteuid() != 0:
+            # RLIMIT_NPROC counts every process of the real uid, so the budget goes on top of the
+            # processes this user already has.
+            limits.append((resource.RLIMIT_NPROC, count_user_tasks(os.getuid()) + job["max_processes"]))
+            protections.append("rlimit_nproc_approx")
+        protections += ["weak_isolation", "process_group_kill"]
     for which, value in limits:
         resource.setrlimit(which, (value, value))
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    if os.getuid() == 0 or os.geteuid() == 0 or os.getgid() == 0:
-        raise OSError("the sandbox is still root after setresuid")
-    unreachable = [p for p in job["expose"] if not os.access(p, os.R_OK | os.X_OK)]
-    if unreachable:
-        raise OSError(f"the sandbox uid cannot read the interpreter's directories {unreachable}")
-    protections += ["unprivileged_uid", "rlimit_nproc", "uid_sweep"]
-    return finish(job, protections, lib, files)
-
-
-def finish(job, protections, lib, files):
-    check(lib.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-    check(lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PDEATHSIG)")
+    sandbox_confine.call(lib.prctl, PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0, what="prctl(PDEATHSIG)")
+    if job["isolation"] == "full":
+        sandbox_seccomp.install(lib)
+        protections.append("seccomp_filter")
     if job["guard"]:
         protections.append("python_audit_guard")
-    return protections, lib, files
+    return protections, cgroup, files
 
 
 def open_test_files(n):
-    """Per test ``(stdin, stdout, stderr, result)`` descriptors, then the scratch directory's.
+    """Per test ``(stdin, stdout, stderr, result)`` descriptors.
 
-    Opened before privileges drop: as root the files belong to root (mode 0600), so a test can
-    write only through the descriptors it is handed, never another test's files by name.
+    Opened before confinement, so the program needs no access to the working directory: with
+    full isolation the files belong to the harness's user (mode 0600) outside the sandbox's root,
+    and a test can write only through the descriptors it is handed.
     """
     create = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
     files = []
     for i in range(n):
         stdin = os.open(f"in/{i}", os.O_RDONLY | os.O_CLOEXEC)
         files.append((stdin, *(os.open(f"{d}/{i}", create, 0o600) for d in ("out", "err", "res"))))
-    files.append(os.open("scratch", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
     return files
-
-
-def cover_and_expose(lib, needed):
-    """Hide shared writable directories, and directories others cannot enter, behind empty tmpfs
-    mounts owned by root (mode 0755, so the sandbox uid cannot write there), then bind each
-    ``needed`` directory back at its own path.
-
-    The interpreter may live under ``/root`` (mode 0700), which the sandbox uid could not enter; the
-    working directory lives under ``/tmp``. Both stay reachable; nothing else in those trees does.
-    """
-    needed = sorted({os.path.realpath(p) for p in needed if os.path.isdir(p)})
-    needed = [p for p in needed if not any(p.startswith(q + "/") for q in needed)]
-    covers = {d for d in SHARED_WRITABLE if os.path.isdir(d) and not os.path.islink(d)}
-    for path in needed:
-        parts = path.split("/")
-        for depth in range(2, len(parts)):
-            ancestor = "/".join(parts[:depth])
-            if not os.stat(ancestor).st_mode & 0o001:
-                covers.add(ancestor)
-                break
-    covers = sorted(c for c in covers if not any(c.startswith(o + "/") for o in covers))
-    # Handles opened before covering: binding from /proc/self/fd/N reaches the hidden originals.
-    handles = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in needed}
-    for cover in covers:
-        opts = b"mode=0755,size=1m,nr_inodes=1024"
-        check(lib.mount(b"tmpfs", cover.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts), f"tmpfs {cover}")
-        for path, fd in handles.items():
-            if path.startswith(cover + "/"):
-                os.makedirs(path, exist_ok=True)
-                src = f"/proc/self/fd/{fd}".encode()
-                check(lib.mount(src, path.encode(), None, MS_BIND | MS_REC, None), f"bind {path}")
-    for fd in handles.values():
-        os.close(fd)
 
 
 def count_user_tasks(uid):
@@ -199,55 +135,66 @@ def count_user_tasks(uid):
 
 
 def install_guard(workdir):
-    """Refuse, from Python, what a scored program has no business doing (see the module docs)."""
+    """Refuse, from Python, what a scored program has no business doing (see the module docs).
+
+    The hook keeps its own copies of the rules and helpers, so replacing the module's globals (or
+    ``os.path.realpath``) no longer switches it off. It is still only a second layer: a program can
+    get past an audit hook, and with full isolation that gains it nothing."""
     prefix = workdir.rstrip("/") + "/"
+    blocked_events, blocked_modules = tuple(BLOCKED_EVENT_PREFIXES), frozenset(BLOCKED_MODULES)
+    path_events, write_flags = dict(PATH_EVENTS), WRITE_FLAGS
+    realpath, fsdecode = os.path.realpath, os.fsdecode
 
     def inside(path):
         if isinstance(path, int):
             return True
         try:
-            real = os.path.realpath(os.fsdecode(path))
+            real = realpath(fsdecode(path))
         except (TypeError, ValueError):
             return False
         return real == workdir or real.startswith(prefix)
 
     def hook(event, args):
-        if event.startswith(BLOCKED_EVENT_PREFIXES):
+        if event.startswith(blocked_events):
             raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0] in BLOCKED_MODULES:
+        if event == "import" and args[0] in blocked_modules:
             raise PermissionError(f"sandbox: importing {args[0]} is not allowed")
         if event == "open":
             path, mode, flags = args
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & WRITE_FLAGS
+                isinstance(flags, int) and flags & write_flags
             )
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing {path!r} outside the working directory")
-        elif event in PATH_EVENTS:
-            for path in args[: PATH_EVENTS[event]]:
+        elif event in path_events:
+            for path in args[: path_events[event]]:
                 if not inside(path):
                     raise PermissionError(f"sandbox: {event} on {path!r} outside the working directory")
 
     sys.addaudithook(hook)
 
 
-def sweep(privileged, pgid):
-    """Kill everything the test left behind: all processes of the sandbox uid, or its group."""
-    if not privileged:
+def sweep(full, pgid):
+    """Kill everything the test left behind: every other process of the sandbox's PID namespace
+    (this is its PID 1, so ``kill(-1)`` reaches exactly those), or with weak isolation its group."""
+    if not full:
         try:
             os.killpg(pgid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-        return
-    if os.getuid() < UID_BASE or os.geteuid() < UID_BASE:
-        raise OSError("refusing kill(-1) as a uid that is not a sandbox uid")
-    # kill(-1) signals every process of this uid but the caller in one pass under the kernel's
-    # task-list lock, and a process with SIGKILL pending cannot finish a fork, so one pass gets
-    # them all; the second covers a fork that completed just before the first. (Its return value
-    # says nothing: it succeeds whenever any other process exists on the machine.)
-    for _ in range(2):
-        os.kill(-1, signal.SIGKILL)
         reap()
+        return
+    if os.getpid() != 1:
+        raise OSError("refusing kill(-1) outside the sandbox's PID namespace")
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:  # nothing was left
+        return
+    while True:  # orphans come to PID 1: wait until every killed process is gone
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
 
 
 def clear_scratch():
@@ -296,10 +243,10 @@ def wait_child(pid, limit_s):
             os.close(fd)
 
 
-def run_child(job, code, i, lib, files):
+def run_child(job, code, i, files):
     """In the forked child: take this test's files and limits, then run the untrusted code."""
     os.setpgid(0, 0)
-    lib.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    sandbox_confine.libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; output past the cap ends the test
     cpu = max(1, int(job["time_limit_s"] + 0.999))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -378,28 +325,61 @@ def main():
     with open("solution.py", encoding="utf-8", errors="replace") as f:
         source = f.read()
     try:
-        protections, lib, files = confine(job)
+        protections, cgroup, files = confine(job, sandbox_confine.libc())
     except OSError as exc:
         emit({"setup_error": f"{type(exc).__name__}: {exc}"})
         return
-    emit({"protections": protections})
+    emit({"protections": protections, "cgroup": cgroup})
     try:
         code = compile(source, "solution.py", "exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         emit({"compile_error": f"{type(exc).__name__}: {exc}"})
         return
-    privileged = job["privileged"]
+    full = job["isolation"] == "full"
+    if not full:
+        run_tests(job, code, files, full)
+        return
+    sys.stdout.flush()
+    init = os.fork()  # PID 1 of the sandbox: when it ends, the kernel kills every process left
+    if init == 0:
+        code_ = 1
+        try:
+            sandbox_confine.call(
+                sandbox_confine.libc().prctl,
+                PR_SET_PDEATHSIG,
+                signal.SIGKILL,
+                0,
+                0,
+                0,
+                what="prctl(PDEATHSIG)",
+            )
+            run_tests(job, code, files, full)
+            code_ = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            os._exit(code_)
+    _, status = os.waitpid(init, 0)
+    if os.WIFSIGNALED(status):
+        # PID 1 was killed (the memory cgroup's OOM killer may pick it): die the same way, so the
+        # parent scores the tests without a result as failed instead of calling the sandbox broken.
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+def run_tests(job, code, files, full):
     os.fchdir(files[-1])  # the harness needs nothing else by name from here on
     for i in range(job["num_tests"]):
         start = time.monotonic()
         sys.stdout.flush()
         try:
             pid = os.fork()
-        except OSError as exc:  # the process budget is used up by something that escaped a sweep
+        except OSError as exc:  # the process budget is used up
             emit({"test": i, "status": "crashed", "error": str(exc)})
             continue
         if pid == 0:
-            run_child(job, code, i, lib, files)
+            run_child(job, code, i, files)
         try:
             os.setpgid(pid, pid)  # also done by the child; whichever runs first wins the race
         except OSError:
@@ -410,7 +390,7 @@ def main():
         if timed_out:
             os.killpg(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-        sweep(privileged, pid)
+        sweep(full, pid)
         clear_scratch()
         emit({"test": i, "seconds": round(time.monotonic() - start, 4), **describe(status, timed_out)})
         if timed_out:

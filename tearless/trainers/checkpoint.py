@@ -6,8 +6,12 @@ loadable by ``AutoModelForCausalLM.from_pretrained`` alone); the RL trainer adds
 same for every placement and world size); ``trainer_state.pt`` holds the scheduler, RNG states, KL
 controller and step (the offline trainers keep their optimizer state there too). A checkpoint is
 written under a hidden temporary name and renamed into place only when complete;
-``latest_checkpointed_iteration.txt`` is rewritten atomically afterwards. Resume trusts only directories named ``global_step_N`` that
-hold the completion marker.
+``latest_checkpointed_iteration.txt`` is rewritten atomically afterwards. Resume trusts only
+directories named ``global_step_N`` that hold the completion marker.
+
+``MANIFEST.json`` (written after every other file, before the marker) holds each file's size and
+SHA-256; resume verifies it and falls back to the previous checkpoint when the newest is damaged
+(:func:`checkpoint_to_resume`).
 
 Every file of a checkpoint is fsynced before the rename, so the rename publishes data that is on
 disk, not only in the page cache. A save that fails (disk full, no permission, file size limit)
@@ -17,7 +21,8 @@ one is complete. Debris that a killed process left (hidden ``.….tmp-<pid>`` en
 that no longer run) is removed by the next save.
 
 ``trainer_state.pt`` holds only tensors and plain Python values and is read with
-``torch.load(weights_only=True)``: loading a checkpoint never unpickles arbitrary objects.
+``torch.load(weights_only=True)``, and the optimizer shards are safetensors with a JSON index:
+loading a checkpoint never unpickles arbitrary objects, in any placement.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import torch
 
 from tearless import faults
 from tearless.models.loading import quiet_transformers
+from tearless.trainers.manifest import checkpoint_to_resume as _choose
+from tearless.trainers.manifest import write_manifest
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -107,6 +114,7 @@ def save_checkpoint(
         # reports "unexpected pos" and loses the errno).
         with open(tmp / "trainer_state.pt", "wb") as f:
             torch.save(state, f)
+        write_manifest(tmp)  # after every other file, before the marker: it covers them all
         (tmp / MARKER).write_text(str(step))
         _fsync_tree(tmp)
         if final.exists():  # a checkpoint of the same step from an earlier, interrupted run
@@ -238,6 +246,14 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     found = complete_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def checkpoint_to_resume(
+    run_dir: str | os.PathLike, from_path: str | os.PathLike | None = None, log: Callable[[str], None] = print
+) -> Path | None:
+    """``from_path`` if given, else the newest complete checkpoint of ``run_dir`` whose files match its
+    checksum manifest (damaged newer ones are reported and skipped; see :mod:`tearless.trainers.manifest`)."""
+    return _choose(complete_checkpoints(run_dir), from_path=from_path, log=log)
 
 
 def load_state(path: str | os.PathLike) -> dict[str, Any]:

@@ -73,7 +73,8 @@ def find_resume(t: OfflineTrainerConfig, run_dir: Path) -> tuple[int, dict | Non
     when starting fresh."""
     if t.resume_mode == "disable":
         return 0, None, None
-    path = Path(t.resume_from_path) if t.resume_mode == "resume_path" else ckpt.latest_checkpoint(run_dir)
+    # The newest checkpoint whose files match its checksum manifest (a damaged one is reported).
+    path = ckpt.checkpoint_to_resume(run_dir, t.resume_from_path if t.resume_mode == "resume_path" else None)
     if path is None:
         return 0, None, None
     state = ckpt.load_state(path)

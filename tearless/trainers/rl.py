@@ -32,6 +32,7 @@ from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.models.loading import load_tokenizer
 from tearless.rollout.correction import rollout_correction
 from tearless.trainers import checkpoint as ckpt
+from tearless.trainers import resume_compat, runlock
 from tearless.trainers.collect import collect
 from tearless.trainers.metrics import Timer, data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
@@ -179,14 +180,12 @@ class RLTrainer:
                     "or delete them"
                 )
             return 0, None
-        path = (
-            Path(t.resume_from_path)
-            if t.resume_mode == "resume_path"
-            else ckpt.latest_checkpoint(self.run_dir)
-        )
+        from_path = t.resume_from_path if t.resume_mode == "resume_path" else None
+        path = ckpt.checkpoint_to_resume(self.run_dir, from_path, log=self.log)
         if path is None:
             return 0, None
         self._resume_state = ckpt.load_state(path)
+        resume_compat.check_resume(self._resume_state.get("config"), self.cfg, path, log=self.log)
         if "workers" not in self._resume_state:
             raise ValueError(
                 f"{path} was written by an older tearless whose optimizer state format this one does not "
@@ -200,6 +199,7 @@ class RLTrainer:
         self.workers.load(str(path), state["workers"])
         self.skipped = {role: float(s["skipped_steps"]) for role, s in state["workers"].items()}
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        resume_compat.apply_config({}, self.kl_ctrl, self.cfg)  # the ranks applied it to their optimizers
         self.batches_consumed = state["batches_consumed"]
         self.bad_steps = int(state.get("bad_steps", 0))
         torch.set_rng_state(state["torch_rng"])
@@ -266,6 +266,7 @@ class RLTrainer:
             if step > t.critic_warmup:
                 with timer("update_actor"):
                     metrics.update(self.workers.update_policy(td, generator=step_generator(t.seed, step, 1)))
+            self.workers.check_weights(step, (td["prompt_ids"][:1], td["prompt_mask"][:1]))
         out = rollout.out
         metrics.update(
             data_metrics(
@@ -442,7 +443,13 @@ class RLTrainer:
         )
 
     def fit(self) -> dict[str, Any]:
-        """Train to ``total_steps``; return the run directory and validation before and after."""
+        """Train to ``total_steps``; return the run directory and validation before and after.
+
+        Holds the run directory's lock throughout (:mod:`tearless.trainers.runlock`)."""
+        with runlock.acquire(self.run_dir):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.trainer
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint we start from are replayed, so their old records go (all of them

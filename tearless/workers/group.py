@@ -211,6 +211,12 @@ class WorkerGroup:
         for pool in self.trained_pools():
             self._call(pool, "load", [(directory, state)] * self.world_of(pool), "resume")
 
+    def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Stop the run (:class:`tearless.trainers.guards.WeightsNotFinite`) if an update left a trained
+        model's weights, or the actor's logits on ``probe``, non-finite."""
+        for pool in self.trained_pools():
+            self._call(pool, "check_weights", [(step, probe)] * self.world_of(pool), "weight check")
+
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (non-finite loss or gradient norm), all trained roles."""
         return sum(

@@ -34,10 +34,11 @@ def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     return start, min(start + chunk, rows)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.tolocal_tensor() if isinstance(t, DTensor) else t
 
 
 def _layout(p: torch.Tensor) -> tuple[int, int]:
@@ -74,7 +75,7 @@ def save_optimizer(
         entry = {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch."), "keys": []}
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                tensors[f"{name}/{key}"] = _local(value).detach().to("cpu").contiguous()
+                tensors[f"{name}/{key}"] = local_tensor(value).detach().to("cpu").contiguous()
                 entry["keys"].append(key)
             else:
                 index["scalars"].setdefault(name, {})[key] = float(value)
@@ -163,9 +164,9 @@ def _to_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` rows as a state tensor of parameter ``p``: a DTensor with ``p``'s sharding, or plain."""
     from torch.distributed.tensor import DTensor
 
-    local = local.to(device=_local(p).device)
+    local = local.to(device=local_tensor(p).device)
     if isinstance(p, DTensor):
-        return DTensor.from_local(
+        return DTensor.fromlocal_tensor(
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
     return local

@@ -484,6 +484,9 @@ class Rank:
 
     def load(self, directory: str, state: dict[str, Any]) -> None:
         """Restore the trained roles' optimizer state (any saving placement) and schedules."""
+        from tearless.trainers import resume_compat
+
+        cfg = self.spec.cfg
         for role in TRAINED:
             if role not in self.roles:
                 continue
@@ -491,6 +494,25 @@ class Rank:
             load_optimizer(unit.model, unit.optimizer, Path(directory) / "optim" / role)
             unit.scheduler.load_state_dict(state[role]["scheduler"])
             unit.skipped_steps = int(state[role]["skipped_steps"])
+            # Settings that resume was allowed to change (trainer.resume_allow_changes) take effect.
+            optim = cfg.critic.optim if role == "critic" else cfg.actor_rollout_ref.actor.optim
+            resume_compat.apply_config({role: (unit.optimizer, unit.scheduler, optim)}, None, cfg)
+
+    def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The bad-step guard's weight check (:func:`tearless.trainers.guards.check_weights`) on the
+        trained roles this rank holds, agreed by all ranks."""
+        from tearless.trainers import guards
+        from tearless.workers.schedule import all_ranks_agree
+
+        actor, critic = self.roles.get("actor"), self.roles.get("critic")
+        guards.check_weights(
+            step,
+            actor.model if actor is not None else None,
+            critic.model if critic is not None else None,
+            self.spec.cfg,
+            probe,
+            agree=lambda ok: all_ranks_agree(ok, self.world),
+        )
 
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (non-finite), actor and critic together."""

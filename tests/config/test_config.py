@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import re
 
 import pytest
 
@@ -278,3 +279,20 @@ def test_schema_sections_are_dataclasses_with_defaults():
         for part in key.split("."):
             value = getattr(value, part)
     assert dataclasses.is_dataclass(cfg.actor_rollout_ref.actor.optim)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("actor_rollout_ref.rollout.n=100000", "actor_rollout_ref.rollout.n: 100000 responses per prompt"),
+        ("data.max_response_length=100000000", "data.max_response_length: 100000000 tokens"),
+        ("data.max_prompt_length=2000000", "data.max_prompt_length: 2000000 tokens"),
+    ],
+)
+def test_absurd_sizes_are_refused_by_name(override, key):
+    # rollout.n ≤ 1024 and sequence lengths ≤ 2^20 tokens (the bounds are one typo wide: a value an
+    # extra zero or three past anything that runs).
+    with pytest.raises(ConfigError, match=re.escape(key) + ".*sanity bound"):
+        load_config(None, [override])
+    load_config(None, ["actor_rollout_ref.rollout.n=1024", "data.train_batch_size=1",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=1"])  # fmt: skip
