@@ -44,9 +44,10 @@ _BOOKKEEPING_KEYS = {
             "resume_mode", "resume_from_path", "resume_allow_changes", "max_actor_ckpt_to_keep",
             "device", "num_threads", "keep_freed_memory", "log_freq", "num_rollout_samples",
             "rollout_log_max_mb", "max_bad_steps", "nnodes", "n_gpus_per_node", "placement",
-            "colocate", "worker_timeout_s",
+            "colocate", "worker_timeout_s", "num_cpus_per_worker",
         )
     ),
+    "actor_rollout_ref.rollout.nnodes", "actor_rollout_ref.rollout.n_gpus_per_node",
     "task.cache_dir", "task.fresh", "data.val_files", "data.val_batch_size", "data.val_max_samples",
     "reward_model.num_workers", "reward_model.timeout_s",
 }  # fmt: skip
@@ -55,7 +56,7 @@ _BOOKKEEPING_SUFFIXES = (
     "enable_gradient_checkpointing", "share_prompt_forward", "lora_save_merged", "param_offload",
     "optimizer_offload", "reshard_after_forward", "param_dtype",
 )  # fmt: skip
-_BOOKKEEPING_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.",)
+_BOOKKEEPING_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "ray_init.")
 _OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas")
 
 
@@ -123,15 +124,10 @@ def check_resume(saved: dict[str, Any] | None, cfg: Config, checkpoint: Path, lo
         if k == "algorithm.kl_ctrl.kl_coef" and new.get("algorithm.kl_ctrl.type") == "adaptive"
     ]
     cannot += [k for k in others if k == "algorithm.kl_ctrl.type"]
-    optimizer = [k for k in others if k.rsplit(".", 1)[-1] in _OPTIMIZER_FIELDS and ".optim." in k]
-    if optimizer and cfg.trainer.placement == "ray":
-        cannot += optimizer
     if cannot:
         raise ResumeMismatch(
             f"{where}: {_diff(cannot, old, new)} cannot take effect in a resumed run (the restored "
-            "state carries the old value"
-            + (" and the Ray placement restores optimizer shards as saved" if optimizer else "")
-            + "); start another run with a new trainer.experiment_name"
+            "state carries the old value); start another run with a new trainer.experiment_name"
         )
     if others:
         log(

@@ -38,7 +38,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor; a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return t.tolocal_tensor() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _layout(p: torch.Tensor) -> tuple[int, int]:
@@ -166,7 +166,7 @@ def _to_like(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
     local = local.to(device=local_tensor(p).device)
     if isinstance(p, DTensor):
-        return DTensor.fromlocal_tensor(
+        return DTensor.from_local(
             local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
         )
     return local
