@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tearless.config.derived import loss_scale_factor
 from tearless.distributed.partition import balanced_partition, count_micro_batches, plan_updates, row_tokens
 from tearless.distributed.worker import RankWorker, WorkerSpec
 
@@ -174,6 +175,7 @@ class _RoleGroup:
             generator=generator,
             micro_size=s.ppo_micro_batch_size_per_gpu,
             token_budget=s.ppo_max_token_len_per_gpu if s.use_dynamic_bsz else None,
+            loss_scale_factor=self.loss_scale_factor,
         )
         per_rank = []
         for r in range(world):
@@ -207,6 +209,7 @@ class ActorGroup(_RoleGroup):
             sync_to,
         )
         self.micro_size = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+        self.loss_scale_factor = loss_scale_factor(cfg)
         self.skipped_steps = 0
 
     def on_policy(self, num_prompts: int) -> bool:
@@ -253,6 +256,7 @@ class CriticGroup(_RoleGroup):
     def __init__(self, group: WorkerGroup, settings, rollout_n: int, driver_model: torch.nn.Module) -> None:
         super().__init__(group, "critic")
         self.s, self.rollout_n, self._model = settings, rollout_n, driver_model
+        self.loss_scale_factor = settings.loss_scale_factor
 
     def compute_values(self, td: TensorDict) -> torch.Tensor:
         return self._forward("compute_values", td, self.s.forward_micro_batch_size_per_gpu)

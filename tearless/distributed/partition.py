@@ -66,13 +66,18 @@ class MiniBatchPlan:
     num_micro: int
 
 
-def mini_batch_norm(response_mask: torch.Tensor) -> dict[str, torch.Tensor | float]:
+def mini_batch_norm(
+    response_mask: torch.Tensor, loss_scale_factor: float | None = None
+) -> dict[str, torch.Tensor | float]:
     """The global normalisers of one mini-batch (``norm`` of :func:`tearless.workers.actor.run_updates`,
-    which calls this, and of the ranks' plans)."""
+    which calls this, and of the ranks' plans). ``loss_scale_factor`` is seq-mean-token-sum-norm's
+    constant S (the trainer passes :func:`tearless.config.derived.loss_scale_factor`); None falls back
+    to the padded width, which changes with the step's longest response."""
+    scale = response_mask.shape[1] if loss_scale_factor is None else loss_scale_factor
     return {
         "global_num_tokens": response_mask.sum().clamp(min=1),
         "global_num_seqs": (response_mask.sum(-1) > 0).sum().clamp(min=1),
-        "loss_scale_factor": float(response_mask.shape[1]),
+        "loss_scale_factor": float(scale),
     }
 
 
@@ -102,6 +107,7 @@ def plan_updates(
     generator: torch.Generator | None,
     micro_size: int | None,
     token_budget: int | None,
+    loss_scale_factor: float | None = None,
 ) -> list[MiniBatchPlan]:
     """The single-process update schedule (:func:`tearless.workers.actor.run_updates`: the same
     permutation draws from ``generator``, the same mini-batches, the same normalisers), with each
@@ -121,5 +127,6 @@ def plan_updates(
                 count_micro_batches([tokens[i] for i in p], size=micro_size, token_budget=token_budget)
                 for p in parts
             )
-            plans.append(MiniBatchPlan(parts, mini_batch_norm(td["response_mask"][mini]), num_micro))
+            norm = mini_batch_norm(td["response_mask"][mini], loss_scale_factor)
+            plans.append(MiniBatchPlan(parts, norm, num_micro))
     return plans

@@ -27,6 +27,7 @@ from tensordict import TensorDict
 from tearless import faults
 from tearless.algos import compute_advantage, filter_groups, make_kl_controller
 from tearless.config import Config, to_dict
+from tearless.config.derived import loss_scale_factor
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.distributed import uses_ray
@@ -156,6 +157,7 @@ class RLTrainer:
                 total_steps=self.total_steps,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                 share_prompts=arr.model.share_prompt_forward,
+                loss_scale_factor=loss_scale_factor(cfg),
             )
             self.critic = self._make_critic(model_path, resume_dir) if critic_enabled(cfg) else None
         eos = {self.tokenizer.eos_token_id}

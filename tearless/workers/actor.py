@@ -25,6 +25,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
+from tearless.config.derived import policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.distributed.partition import mini_batch_norm
 from tearless.models.logprobs import response_logprobs
@@ -152,6 +153,7 @@ class Actor(LogProbWorker):
         total_steps: int,
         log_prob_micro_batch_size: int | None = None,
         share_prompts: bool = True,
+        loss_scale_factor: float | None = None,
     ):
         super().__init__(
             model,
@@ -160,6 +162,8 @@ class Actor(LogProbWorker):
             share_prompts=share_prompts,
         )
         self.cfg = cfg
+        # seq-mean-token-sum-norm's S; None (and no cfg.loss_scale_factor): the mini-batch's padded width.
+        self.loss_scale_factor = cfg.loss_scale_factor if loss_scale_factor is None else loss_scale_factor
         self.rollout_n = rollout_n
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg.optim, total_steps)
@@ -189,6 +193,7 @@ class Actor(LogProbWorker):
             clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
             rollout_is_weights=mb.get("rollout_is_weights", None),
+            **policy_loss_knobs(cfg),
             **norm,
         )
         loss = pg_loss
@@ -262,6 +267,7 @@ class Actor(LogProbWorker):
             prefix="actor",
             skipped=self.skipped_steps,
             drop_rows=self.split_zero_adv_rows if self.skips_zero_adv_rows(num_prompts) else None,
+            loss_scale_factor=self.loss_scale_factor,
         )
         if cfg.use_kl_loss:
             out["actor/kl_coef"] = cfg.kl_loss_coef
@@ -286,6 +292,7 @@ def run_updates(
     prefix: str,
     skipped: int,
     drop_rows: Callable[[TensorDict, dict], tuple[TensorDict, dict]] | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[dict[str, float], int]:
     """veRL's update schedule, shared by actor and critic: ``epochs`` passes over mini-batches of
     ``rows_per_mini`` rows, each split into micro-batches whose losses ``micro_loss(mb, norm)`` are
@@ -294,8 +301,8 @@ def run_updates(
     norm is not finite: the parameters and the optimizer's moments and step count stay untouched.
     The scheduler steps once per call. ``drop_rows(mini, norm)``, when given, returns the rows of a
     mini-batch to forward (after the normalisers are taken from all of them) and the metrics the
-    others add. Returns the metrics averaged over optimizer steps and the updated count of skipped
-    steps.
+    others add. ``loss_scale_factor`` goes into ``norm`` (:func:`mini_batch_norm`). Returns the metrics
+    averaged over optimizer steps and the updated count of skipped steps.
     """
     model.train()
     rows = td.batch_size[0]
@@ -305,7 +312,7 @@ def run_updates(
         order = torch.randperm(rows, generator=generator) if shuffle else torch.arange(rows)
         for start in range(0, rows, rows_per_mini):
             mini = td[order[start : start + rows_per_mini]]
-            norm = mini_batch_norm(mini["response_mask"])
+            norm = mini_batch_norm(mini["response_mask"], loss_scale_factor)
             optimizer.zero_grad(set_to_none=True)
             finite_loss = True
             if drop_rows is not None:

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import value_loss
+from tearless.config.derived import loss_scale_factor
 from tearless.models.value import response_values
 from tearless.workers.actor import attention_mask, make_optimizer, micro_batches, run_updates
 
@@ -88,6 +89,7 @@ class Critic:
             token_budget=s.ppo_max_token_len_per_gpu if s.use_dynamic_bsz else None,
             prefix="critic",
             skipped=self.skipped_steps,
+            loss_scale_factor=s.loss_scale_factor,
         )
         return out
 
@@ -99,6 +101,8 @@ def critic_settings(cfg) -> SimpleNamespace:
     for name in ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "use_dynamic_bsz"):
         if getattr(settings, name) is None:
             setattr(settings, name, getattr(a, name))
+    if settings.loss_scale_factor is None:
+        settings.loss_scale_factor = loss_scale_factor(cfg)
     return settings
 
 
