@@ -247,3 +247,13 @@ def test_logprobs_from_logits():
     labels = torch.randint(0, 11, (3, 4))
     expected = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs_from_logits(logits, labels), expected)
+
+
+def test_value_loss_dr_grpo_mode_is_a_mean_over_responses():
+    # 4 responses × 5 tokens with (v − G)² = 2 everywhere: ½ · Σ 2 / (4 responses · S = 5) = 1, like
+    # token-mean; dividing by S alone gave 4.
+    ones = torch.ones(4, 5)
+    args = (torch.zeros(4, 5), torch.zeros(4, 5), ones * math.sqrt(2), ones, 10.0)
+    loss, _ = value_loss(*args, "seq-mean-token-sum-norm")
+    assert loss.item() == pytest.approx(1.0)
+    assert value_loss(*args, "seq-mean-token-sum-norm", loss_scale_factor=10)[0].item() == pytest.approx(0.5)
