@@ -43,7 +43,7 @@ def geo_mean_policy_loss(
               r_i = \exp\Big(\tfrac{1}{\ell_i}\sum_t \tilde\Delta_{i,t} m_{i,t}\Big), \qquad
               L_i = -\bar A_i\, r_i,\ \bar A_i = \tfrac{1}{\ell_i}\sum_t A_{i,t} m_{i,t}
 
-    and the loss is the mean of :math:`L_i` over the non-empty sequences (GMPO recommends
+    and the loss is the mean of :math:`L_i` over the non-empty sequences (veRL's GMPO example uses
     ε = 0.4). Each valid token of row i carries :math:`L_i` and the aggregation is
     ``seq-mean-token-mean``, so the value and gradient are those of :math:`\frac{1}{N_{seq}}\sum_i L_i`
     with the mini-batch's global sequence count. veRL takes ``torch.mean`` over the micro-batch's rows

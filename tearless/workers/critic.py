@@ -25,7 +25,7 @@ class Critic:
     ``settings`` are the critic section with every null (inherit-from-actor) field already resolved:
     ``ppo_mini_batch_size`` (prompts), ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``,
     ``ppo_max_token_len_per_gpu``, ``ppo_epochs``, ``shuffle``, ``cliprange_value``, ``loss_agg_mode``,
-    ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
+    ``loss_scale_factor``, ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
     """
 
     def __init__(self, model: torch.nn.Module, settings, *, rollout_n: int, total_steps: int) -> None:
