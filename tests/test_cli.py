@@ -26,7 +26,8 @@ def test_config_show_prints_every_key_with_its_doc():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "data.train_batch_size = 32\n    prompts per RL step" in out
-    assert "actor_rollout_ref.actor.loss_agg_mode = 'token-mean'" in out
+    assert "actor_rollout_ref.actor.loss_agg_mode = None\n    token-mean | token-sum" in out
+    assert "actor_rollout_ref.actor.policy_loss.ppo_kl_coef = 0.1\n    kl_cov: " in out
     assert "algorithm.adv_estimator = 'grpo'" in out
     assert out.count(" = ") > 80
 

@@ -4,6 +4,8 @@ Every function takes tensors and plain numbers and returns tensors (and a metric
 interchangeable functions are registered by name in the dicts exported below.
 """
 
+# Registers the further policy-loss modes (geo_mean, sapo, dppo_tv, dppo_kl, gpg, dro) in POLICY_LOSSES.
+from tearless.algos import surrogates  # noqa: F401
 from tearless.algos.advantages import ADV_ESTIMATORS, compute_advantage, register_adv_estimator
 from tearless.algos.aggregation import AGG_MODES, agg_loss, register_agg_mode
 from tearless.algos.dapo import filter_groups, overlong_penalty

@@ -39,6 +39,7 @@ def compute_advantage(
     epsilon: float = 1e-6,
     reward_baselines: Tensor | None = None,
     std_scope: str = "group",
+    unbiased_std: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns, both (B, T), from the estimator registered as ``estimator``.
 
@@ -48,8 +49,9 @@ def compute_advantage(
     ``reward_baselines`` for ``remax``) raises ValueError naming it. The whitened estimators (``gae``,
     ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``) need at least two valid tokens in the
     batch. ``std_scope`` (``grpo`` only) is ``group`` (each group's std, the default) or ``batch`` (one
-    std over every row's outcome reward, as Flow-GRPO's ``global_std``). Runs without autograd:
-    advantages are constants for the policy update.
+    std over every row's outcome reward, as Flow-GRPO's ``global_std``); ``unbiased_std`` (``grpo``
+    only) divides the variance by n − 1 (``torch.std``, veRL) or, when False, by n (numpy's default,
+    Flow-GRPO). Runs without autograd: advantages are constants for the policy update.
     """
     fn = lookup(ADV_ESTIMATORS, estimator, "advantage estimator")
     if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
@@ -70,6 +72,7 @@ def compute_advantage(
         "epsilon": epsilon,
         "reward_baselines": reward_baselines,
         "std_scope": std_scope,
+        "unbiased_std": unbiased_std,
     }
     return call_accepted(fn, inputs, f"advantage estimator {estimator!r}")
 
@@ -93,9 +96,10 @@ def _centred(rewards: Tensor, ids: Tensor) -> Tensor:
     return shifted - mean[ids]
 
 
-def _group_std(centred: Tensor, ids: Tensor, sizes: Tensor) -> Tensor:
-    """Unbiased std of each row's group, (B,); 1 for a singleton (nothing to estimate it from)."""
-    var = group_reduce(centred.square(), ids)[ids] / (sizes - 1).clamp(min=1)
+def _group_std(centred: Tensor, ids: Tensor, sizes: Tensor, unbiased: bool = True) -> Tensor:
+    """Std of each row's group, (B,): unbiased (÷ n − 1) or population (÷ n); 1 for a singleton
+    (nothing to estimate it from)."""
+    var = group_reduce(centred.square(), ids)[ids] / ((sizes - 1).clamp(min=1) if unbiased else sizes)
     return torch.where(sizes > 1, var.sqrt(), torch.ones_like(var))
 
 
@@ -153,6 +157,7 @@ def grpo_advantage(
     norm_adv_by_std_in_grpo: bool,
     epsilon: float,
     std_scope: str = "group",
+    unbiased_std: bool = True,
 ) -> tuple[Tensor, Tensor]:
     r"""GRPO (Shao et al. 2024): group-normalised outcome reward.
 
@@ -163,7 +168,8 @@ def grpo_advantage(
     unbiased std of all B outcome rewards (Flow-GRPO's ``global_std``, which keeps a near-uniform group
     from having its tiny differences blown up to ±1; a batch of one row gets σ = 1). A group of one has
     μ = 0 and, with group scope, σ = 1, so its row keeps :math:`R_i/(1+\epsilon)` (veRL's convention).
-    Equal rewards in a group give exactly 0. returns = advantages.
+    ``unbiased_std=False`` takes the population std instead (÷ n, Flow-GRPO's numpy ``std``). Equal
+    rewards in a group give exactly 0. returns = advantages.
     """
     if std_scope not in ("group", "batch"):
         raise ValueError(f"std_scope must be 'group' or 'batch', got {std_scope!r}")
@@ -174,9 +180,11 @@ def grpo_advantage(
     adv = torch.where(sizes > 1, centred, rewards)
     if norm_adv_by_std_in_grpo:
         if std_scope == "group":
-            std = _group_std(centred, ids, sizes)
+            std = _group_std(centred, ids, sizes, unbiased_std)
+        elif rewards.numel() > 1:
+            std = rewards.std(correction=1 if unbiased_std else 0)
         else:
-            std = rewards.std() if rewards.numel() > 1 else torch.ones_like(rewards[0])
+            std = torch.ones_like(rewards[0])
         adv = adv / (std + epsilon)
     adv = _tile(adv, response_mask)
     return adv, adv
@@ -210,9 +218,9 @@ def reinforce_plus_plus_advantage(
 
     .. math:: G_t = r_t + \gamma G_{t+1}, \qquad A = \mathrm{masked\_whiten}(G)
 
-    The return runs over valid tokens only (masked tokens are skipped as in GAE), so it never leaks
-    across padding. veRL instead resets it to 0 at every masked token, which is the same for trailing
-    padding but cuts the reward off from earlier turns of a multi-turn rollout. There are no groups: a
+    The return runs over valid tokens only: a masked token (padding, or a tool's output in a multi-turn
+    rollout) is skipped, its reward not added and the running return carried across it unchanged, so
+    the reward of the last turn reaches earlier turns; veRL 0.9 does the same. There are no groups: a
     group of equal rewards gets the batch-relative value (R − μ_batch)/σ_batch, not 0. returns = G.
     """
     returns = _discounted_returns(token_level_rewards, response_mask, gamma)
@@ -235,6 +243,28 @@ def reinforce_plus_plus_baseline_advantage(
     ids = group_ids(index, rewards.shape[0], rewards.device)
     adv = torch.where(group_sizes(ids, rewards.dtype) > 1, _centred(rewards, ids), rewards)
     adv = masked_whiten(_tile(adv, response_mask), response_mask)
+    return adv, adv
+
+
+@register_adv_estimator("gpg")
+def gpg_advantage(
+    *, token_level_rewards: Tensor, response_mask: Tensor, index: GroupIndex
+) -> tuple[Tensor, Tensor]:
+    r"""GPG's corrected group advantage (Chu et al. 2025), for ``loss_mode=gpg``.
+
+    .. math:: A_i = \alpha\,(R_i - \mu_{g(i)}), \qquad \alpha = \frac{B}{\max(1, |\{j : R_j \ne 0\}|)}
+
+    over the B rows of the batch: α scales the batch's gradient up by how few rows carry a reward.
+    That is veRL 0.9's ``compute_gpg_outcome_advantage`` (no std division), followed here; the paper
+    bases α on the rows of groups whose rewards are all equal (they carry no signal), veRL's code on
+    the rows with a zero reward. A group of one has μ = 0 (its row keeps αR_i, as veRL). Equal rewards
+    in a group give exactly 0. returns = advantages.
+    """
+    rewards = _outcome(token_level_rewards, response_mask)
+    ids = group_ids(index, rewards.shape[0], rewards.device)
+    alpha = rewards.shape[0] / (rewards != 0).sum().clamp(min=1).to(rewards.dtype)
+    adv = torch.where(group_sizes(ids, rewards.dtype) > 1, _centred(rewards, ids), rewards)
+    adv = _tile(alpha * adv, response_mask)
     return adv, adv
 
 

@@ -17,12 +17,14 @@ from tearless.algos.masked import zero_masked
 
 AGG_MODES: dict[str, Callable[..., Tensor]] = {}
 register_agg_mode = registrar(AGG_MODES, "loss_agg_mode")
+# What a loss_agg_mode of None (the config's null) means, as in veRL.
+DEFAULT_AGG_MODE = "token-mean"
 
 
 def agg_loss(
     loss_mat: Tensor,
     loss_mask: Tensor,
-    loss_agg_mode: str,
+    loss_agg_mode: str | None,
     *,
     global_num_tokens: int | Tensor | None = None,
     global_num_seqs: int | Tensor | None = None,
@@ -36,16 +38,23 @@ def agg_loss(
     - ``token-sum``: :math:`\sum_{i,t} L m`
     - ``seq-mean-token-sum``: :math:`\sum_i (\sum_t L m) / N_{seq}`
     - ``seq-mean-token-mean``: :math:`\sum_i (\sum_t L m / \ell_i) / N_{seq}`
-    - ``seq-mean-token-sum-norm`` (Dr. GRPO): :math:`\sum_{i,t} L m / S`, S = ``loss_scale_factor`` or
-      the padded width T. Not divided by the number of sequences (as in the seed notes and veRL); set
-      ``loss_scale_factor`` (e.g. max_response_length) when micro-batches are padded to different widths.
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): :math:`\sum_{i,t} L m / (N_{seq} S)`, S =
+      ``loss_scale_factor`` or else the padded width T: the mean over responses of each response's
+      token sum divided by a constant, as veRL 0.9's ``agg_loss``, TRL's ``dr_grpo`` (B × max completion
+      length) and the Dr. GRPO paper (1/G over responses). Pass a constant S (the trainer passes
+      ``max_response_length``): with the padded width, the step size would change with the longest
+      sample of the batch.
 
-    :math:`N_{tok}` is the number of valid tokens and :math:`N_{seq}` the number of rows with at least
-    one, both local unless ``global_num_tokens`` / ``global_num_seqs`` give the mini-batch counts: then a
-    mini-batch split into micro-batches, each aggregated with the global counts and the results summed,
-    gives exactly the mini-batch loss and gradient. Rows without valid tokens contribute 0; an all-zero
-    mask gives a 0 that is still part of the graph. Masked entries of ``loss_mat`` are never read.
+    ``None`` means ``token-mean`` (veRL's default; the config's null). :math:`N_{tok}` is the number of
+    valid tokens and :math:`N_{seq}` the number of rows with at least one, both local unless
+    ``global_num_tokens`` / ``global_num_seqs`` give the mini-batch counts: then a mini-batch split into
+    micro-batches, each aggregated with the global counts and the results summed, gives exactly the
+    mini-batch loss and gradient. Rows without valid tokens contribute 0; an all-zero mask gives a 0
+    that is still part of the graph. Masked entries of ``loss_mat`` are never read. The 4×5 all-ones
+    example: token-mean 1, token-sum 20, seq-mean-token-sum 5, seq-mean-token-mean 1,
+    seq-mean-token-sum-norm 20 / (4 · 5) = 1.
     """
+    loss_agg_mode = DEFAULT_AGG_MODE if loss_agg_mode is None else loss_agg_mode
     fn = lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
     mask = loss_mask.bool()
     inputs = {
@@ -94,8 +103,14 @@ def _seq_mean_token_mean(
 
 
 @register_agg_mode("seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(*, loss_mat: Tensor, loss_scale_factor: float | None = None) -> Tensor:
+def _seq_mean_token_sum_norm(
+    *,
+    loss_mat: Tensor,
+    mask: Tensor,
+    global_num_seqs: int | Tensor | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
     scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
     if scale <= 0:
         raise ValueError(f"loss_scale_factor must be > 0, got {scale}")
-    return loss_mat.sum() / scale
+    return loss_mat.sum() / _num_seqs(mask, global_num_seqs, loss_mat) / scale

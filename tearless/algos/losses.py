@@ -8,6 +8,7 @@ stop-gradient.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -18,7 +19,8 @@ from tearless.algos.aggregation import AGG_MODES, agg_loss
 from tearless.algos.masked import masked_sum, zero_masked
 
 POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
-# Modes whose maths defines its own aggregation; loss_agg_mode is ignored for them.
+# Modes whose maths defines its own aggregation (veRL pins the same ones): loss_agg_mode must be None
+# (their own mode is used) or equal to it.
 FIXED_AGG_MODES: dict[str, str] = {}
 
 _AGG_KWARGS = ("global_num_tokens", "global_num_seqs", "loss_scale_factor")
@@ -29,7 +31,9 @@ def register_policy_loss(name: str, *, agg_mode: str | None = None) -> Callable[
 
     :func:`policy_loss` calls ``fn`` with a bool ``response_mask``, inputs already zeroed outside it, and
     only the knobs ``fn`` names; it aggregates the (B, T) ``loss_mat`` itself. ``agg_mode`` pins the
-    aggregation for a loss whose definition includes it (GSPO).
+    aggregation for a loss whose definition includes it (GSPO, SAPO, GMPO). A ``fn`` that names
+    ``rollout_is_weights`` applies them itself (GMPO's are per sequence); otherwise they multiply
+    ``loss_mat`` token by token.
     """
 
     def decorate(fn: Callable) -> Callable:
@@ -51,26 +55,39 @@ def policy_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
-    loss_agg_mode: str = "token-mean",
+    loss_agg_mode: str | None = None,
     rollout_is_weights: Tensor | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r"""Scalar policy loss and metrics for the mode registered as ``mode``.
+
+    ``loss_agg_mode`` (:func:`agg_loss`) aggregates the per-token loss; None means the mode's own
+    (:data:`FIXED_AGG_MODES`: ``seq-mean-token-mean`` for ``gspo``, ``sapo``, ``geo_mean``) or else
+    ``token-mean``. Those three modes define their aggregation (veRL 0.9 hard-codes it too), so any
+    other explicit ``loss_agg_mode`` raises ValueError rather than being ignored.
 
     ``rollout_is_weights`` (B, T), when given, multiplies each token's loss before aggregation
     (truncated importance sampling for the rollout/trainer mismatch; detached, no gradient).
 
     Inputs are (B, T). ``kwargs`` take the normalisers of :func:`agg_loss` (``global_num_tokens``,
     ``global_num_seqs``, ``loss_scale_factor``) and the knobs of the registered modes (``clip_cov_ratio``,
-    ``clip_cov_lb``, ``clip_cov_ub``, ``generator``, ``kl_cov_ratio``, ``ppo_kl_coef``); a knob of another
-    mode is ignored, a name no mode knows raises TypeError. Masked positions of every input are
-    replaced by 0 first, so garbage there never reaches the loss, the metrics or the gradient.
+    ``clip_cov_lb``, ``clip_cov_ub``, ``generator``, ``kl_cov_ratio``, ``ppo_kl_coef``, ``tau_pos``,
+    ``tau_neg``, ``dro_beta``); a knob of another mode is ignored, a name no mode knows raises
+    TypeError. Masked positions of every input are replaced by 0 first, so garbage there never reaches
+    the loss, the metrics or the gradient.
 
     Metrics (0-d, detached, over the valid tokens of this call) always include ``pg_clipfrac``,
     ``pg_clipfrac_lower`` (0 where a mode does not have it) and ``ppo_kl`` = mean(−Δ).
     """
     fn = lookup(POLICY_LOSSES, mode, "policy loss mode")
-    lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
+    if loss_agg_mode is not None:
+        lookup(AGG_MODES, loss_agg_mode, "loss_agg_mode")
+    own_agg = FIXED_AGG_MODES.get(mode)
+    if own_agg is not None and loss_agg_mode not in (None, own_agg):
+        raise ValueError(
+            f"policy loss {mode!r} aggregates with {own_agg!r} by definition; loss_agg_mode="
+            f"{loss_agg_mode!r} cannot apply to it (pass None or {own_agg!r})"
+        )
     agg_kwargs = {k: kwargs.pop(k) for k in _AGG_KWARGS if k in kwargs}
     unknown = set(kwargs) - accepted_names(POLICY_LOSSES)
     if unknown:
@@ -87,10 +104,16 @@ def policy_loss(
         "clip_ratio_c": clip_ratio_c,
         **kwargs,
     }
-    loss_mat, own_metrics = call_accepted(fn, inputs, f"policy loss {mode!r}")
+    weights = None
     if rollout_is_weights is not None:
-        loss_mat = loss_mat * zero_masked(rollout_is_weights.detach().to(loss_mat.device), mask)
-    loss = agg_loss(loss_mat, mask, FIXED_AGG_MODES.get(mode, loss_agg_mode), **agg_kwargs)
+        weights = zero_masked(rollout_is_weights.detach().to(log_prob.device), mask)
+    applies_weights = "rollout_is_weights" in inspect.signature(fn).parameters
+    if applies_weights:
+        inputs["rollout_is_weights"] = weights
+    loss_mat, own_metrics = call_accepted(fn, inputs, f"policy loss {mode!r}")
+    if weights is not None and not applies_weights:
+        loss_mat = loss_mat * weights
+    loss = agg_loss(loss_mat, mask, own_agg or loss_agg_mode, **agg_kwargs)
     zero = torch.zeros((), device=loss.device)
     metrics = {
         "pg_clipfrac": zero,
@@ -176,9 +199,11 @@ def gspo_policy_loss(
               \rho_{i,t} = \exp\big(\min(\mathrm{sg}[s_i] + \log\pi_{i,t} - \mathrm{sg}[\log\pi_{i,t}],
               10)\big)
 
-    then PPO clip on ρ. Every token of a sequence has the value exp(s_i) but its own gradient. Always
-    aggregated with ``seq-mean-token-mean`` (the paper's 1/|G| Σ_i 1/|y_i| Σ_t), whatever
-    ``loss_agg_mode`` says. ``pg_clipfrac`` as in vanilla; no dual clip.
+    then PPO clip on ρ. Every token of a sequence has the value exp(s_i) but its own gradient.
+    Aggregated with ``seq-mean-token-mean`` (the paper's 1/|G| Σ_i 1/|y_i| Σ_t); veRL 0.9's
+    ``compute_policy_loss_gspo`` hard-codes the same mode whatever ``loss_agg_mode`` says (its docstring
+    only "recommends" it), so here another explicit ``loss_agg_mode`` is refused. ``pg_clipfrac`` as in
+    vanilla; no dual clip.
     """
     lengths = response_mask.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = masked_sum(_log_ratio(log_prob, old_log_prob), response_mask, dim=-1).unsqueeze(-1)
@@ -254,14 +279,15 @@ def kl_cov_policy_loss(
     advantages: Tensor,
     response_mask: Tensor,
     kl_cov_ratio: float = 2e-4,
-    ppo_kl_coef: float = 1.0,
+    ppo_kl_coef: float = 0.1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     r"""KL-Cov (Cui et al. 2025): unclipped surrogate, KL penalty on the highest-covariance tokens.
 
     .. math:: L_t = -A_t\rho_t + \beta\,|\Delta_t|\,[t \in \mathrm{top}_k\ (A - \bar A)(\log\pi -
               \overline{\log\pi})]
 
-    with :math:`k = \max(1, \lfloor \text{kl\_cov\_ratio} \cdot N_{tok} \rfloor)` and β = ``ppo_kl_coef``.
+    with :math:`k = \max(1, \lfloor \text{kl\_cov\_ratio} \cdot N_{tok} \rfloor)` and β = ``ppo_kl_coef``
+    (``policy_loss.ppo_kl_coef``, 0.1 as veRL's config; veRL's code falls back to 1.0 only when it is null).
     No clipping (``pg_clipfrac`` = 0); extra metric ``ppo_kl_abs`` = mean |Δ| (what veRL reports as
     ``ppo_kl`` for this mode; here ``ppo_kl`` keeps one meaning across modes).
     """

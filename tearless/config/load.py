@@ -35,9 +35,22 @@ def _all_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, datac
             yield key, f
 
 
+# Keys veRL's docs write where its code does not read them: the error names the key that works.
+MISPLACED_KEYS = {
+    f"actor_rollout_ref.actor.policy_loss.{tau}": (
+        f"actor_rollout_ref.actor.{tau}",
+        "veRL's SAPO README writes policy_loss.tau_*, but its code reads actor.tau_*",
+    )
+    for tau in ("tau_pos", "tau_neg")
+}
+
+
 def _explain(err: OmegaConfBaseException, source: str, schema: type = Config) -> ConfigError:
     key = getattr(err, "full_key", None) or "?"
     msg = str(err).splitlines()[0]
+    if schema is Config and key in MISPLACED_KEYS:
+        right, why = MISPLACED_KEYS[key]
+        return ConfigError(f"unknown config key {key!r} (from {source}). Did you mean {right}? ({why})")
     if "not in" in msg or ("Key '" in msg and "not" in msg):
         known = [k for k, _ in _all_keys(schema)]
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)

@@ -89,7 +89,21 @@ class OptimConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = doc("vanilla", "vanilla (PPO clip + dual-clip) | gspo | cispo | clip_cov | kl_cov")
+    loss_mode: str = doc(
+        "vanilla",
+        "vanilla (PPO clip + dual-clip) | gspo | cispo | clip_cov | kl_cov | geo_mean (GMPO) | sapo | "
+        "dppo_tv | dppo_kl | gpg | dro (tearless.algos.policy_loss documents each formula)",
+    )
+    clip_cov_ratio: float = doc(2e-4, "clip_cov: fraction of tokens whose gradient may be dropped, (0, 1]")
+    clip_cov_lb: float = doc(1.0, "clip_cov: lower bound of the covariance of a droppable token")
+    clip_cov_ub: float = doc(5.0, "clip_cov: upper bound of the covariance of a droppable token (> lb)")
+    kl_cov_ratio: float = doc(
+        2e-4, "kl_cov: fraction of tokens (highest covariance) given the |Δ| penalty, (0, 1]"
+    )
+    ppo_kl_coef: float = doc(0.1, "kl_cov: coefficient of the |log π − log π_old| penalty (>= 0)")
+    dro_beta: float | None = doc(
+        None, "dro: coefficient β of the ½β(log π − log π_old)² penalty; required (> 0) with loss_mode=dro"
+    )
 
 
 @dataclass
@@ -118,14 +132,30 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: int = doc(16384, "token budget of one micro-batch when use_dynamic_bsz")
     ppo_epochs: int = doc(1, "passes over each step's rollouts")
     shuffle: bool = doc(False, "shuffle responses between PPO epochs")
-    clip_ratio: float = doc(0.2, "PPO clip ε (used for low and high unless they are set)")
+    clip_ratio: float = doc(
+        0.2,
+        "PPO clip ε (used for low and high unless they are set); geo_mean: bounds of the log-ratio; "
+        "dppo_tv / dppo_kl: the probability-change / binary-KL bounds δ",
+    )
     clip_ratio_low: float | None = doc(None, "lower clip ε_low; null = clip_ratio")
     clip_ratio_high: float | None = doc(None, "upper clip ε_high (DAPO clip-higher); null = clip_ratio")
-    clip_ratio_c: float = doc(3.0, "dual-clip constant c (> 1) for negative advantages")
-    loss_agg_mode: str = doc(
-        "token-mean",
-        "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm",
+    clip_ratio_c: float = doc(
+        3.0, "dual-clip constant c (> 1) for negative advantages; dppo_tv / dppo_kl: cap of the IS weight"
     )
+    loss_agg_mode: str | None = doc(
+        None,
+        "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; "
+        "null = token-mean (veRL's default), except the policy term of gspo, sapo and geo_mean, which "
+        "is seq-mean-token-mean (those modes define it; veRL pins it too). With those modes any other "
+        "explicit value is refused",
+    )
+    loss_scale_factor: float | None = doc(
+        None,
+        "seq-mean-token-sum-norm's constant S (loss = Σ L·m / (responses × S)); "
+        "null = rollout.response_length or data.max_response_length",
+    )
+    tau_pos: float = doc(1.0, "sapo: gate temperature where the advantage is > 0 (> 0)")
+    tau_neg: float = doc(1.05, "sapo: gate temperature where the advantage is <= 0 (> 0)")
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = doc(0.0, "entropy bonus coefficient (loss −= coeff · entropy)")
     use_kl_loss: bool = doc(False, "add kl_loss_coef · KL(π‖π_ref) to the loss (GRPO style)")
@@ -255,6 +285,9 @@ class CriticConfig:
     shuffle: bool = doc(False, "shuffle responses between critic epochs")
     cliprange_value: float = doc(0.5, "value clipping range around the rollout-time values")
     loss_agg_mode: str | None = doc(None, "critic loss aggregation; null = the actor's")
+    loss_scale_factor: float | None = doc(
+        None, "seq-mean-token-sum-norm's S for the value loss; null = the actor's (see there)"
+    )
     grad_clip: float = doc(1.0, "max global gradient norm of the critic")
 
 
@@ -296,7 +329,7 @@ class AlgorithmConfig:
     adv_estimator: str = doc(
         "grpo",
         "gae (PPO with a critic) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
-        "remax | opo | grpo_passk",
+        "remax | opo | grpo_passk | gpg (for policy_loss.loss_mode=gpg)",
     )
     gamma: float = doc(1.0, "discount γ")
     lam: float = doc(1.0, "GAE λ")

@@ -19,6 +19,7 @@ ESTIMATORS = (
     "remax",
     "opo",
     "grpo_passk",
+    "gpg",
 )
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
@@ -47,7 +48,7 @@ def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
 
 def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
-    from tearless.algos import AGG_MODES, KL_ESTIMATORS, POLICY_LOSSES
+    from tearless.algos import KL_ESTIMATORS
 
     data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     n = rollout.n
@@ -121,8 +122,9 @@ def validate(cfg: Config) -> None:
                 f"max_prompt_length + max_response_length = {needed}",
                 f"Set it to at least {needed}.",
             )
-    _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, list(AGG_MODES))
-    _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, list(POLICY_LOSSES))
+    from tearless.config.validate_loss import validate_loss
+
+    validate_loss(cfg)
     straight_through = [f"{k}+" for k in KL_ESTIMATORS if k != "full"]
     _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])

@@ -85,7 +85,10 @@ class FlowTrainConfig:
     grad_clip: float = doc(1.0, "max global gradient norm")
     clip_range: float = doc(1e-2, "PPO clip ε on the per-step ratio (Flow-GRPO: 1e-4 with lr 3e-4)")
     adv_clip_max: float = doc(5.0, "advantages are clipped to [-adv_clip_max, adv_clip_max]")
-    std_scope: str = doc("batch", "advantage std: batch (Flow-GRPO's global_std) | group (per prompt)")
+    std_scope: str = doc(
+        "batch",
+        "advantage std (population, ÷ n, as Flow-GRPO): batch (Flow-GRPO's global_std) | group (per prompt)",
+    )
     adv_epsilon: float = doc(1e-4, "ε added to the std (Flow-GRPO: 1e-4)")
     beta: float = doc(0.04, "KL coefficient to the reference (Flow-GRPO GenEval: 0.04); 0 = no reference")
     kl_variant: str = doc(

@@ -6,8 +6,9 @@ Each epoch (:meth:`FlowGRPOTrainer.epoch`):
    storing every latent and the log-prob of every step (:func:`~tearless.flow.sampler.sample_sde`);
 2. **reward** per final sample;
 3. **advantages** :math:`A_i = \mathrm{clip}\big((r_i - \bar r_{g(i)})/(\sigma + \epsilon), \pm A_{max}\big)`
-   with σ the batch or per-prompt std (:func:`tearless.algos.compute_advantage`, ``grpo``); samples with
-   A = 0 (e.g. every sample of a group scored the same) carry no signal and are dropped;
+   with σ the batch or per-prompt population std, as Flow-GRPO (:func:`tearless.algos.compute_advantage`,
+   ``grpo``); samples with A = 0 (e.g. every sample of a group scored the same) carry no signal and are
+   dropped;
 4. **update**: ``updates_per_epoch`` mini-batches; for each trained step j the log-prob of the stored
    transition is recomputed under the current weights and the PPO-clipped surrogate of the per-step
    ratio :math:`\rho_j = \exp(\log\pi_\theta - \log\pi_{old})` is taken
@@ -57,7 +58,11 @@ def flow_advantages(
     rewards: Tensor, prompt_ids: Tensor, *, std_scope: str, epsilon: float, clip_max: float
 ) -> Tensor:
     r"""(B,) advantages :math:`\mathrm{clip}((r - \bar r_g)/(\sigma + \epsilon), -c, c)`: GRPO's
-    estimator on one outcome per sample, σ per group or over the batch (``std_scope``)."""
+    estimator on one outcome per sample, σ per group or over the batch (``std_scope``).
+
+    σ is the population std (÷ n), as Flow-GRPO's numpy ``std``, in both scopes; veRL's LLM GRPO (and
+    ``algorithm.adv_estimator=grpo`` in ``tearless train``) divides by n − 1: with groups of 16 that σ
+    is √(16/15) times this one, every advantage 3% smaller than Flow-GRPO's."""
     ones = torch.ones(len(rewards), 1, dtype=torch.bool)
     adv, _ = compute_advantage(
         "grpo",
@@ -66,6 +71,7 @@ def flow_advantages(
         index=prompt_ids.cpu(),
         epsilon=epsilon,
         std_scope=std_scope,
+        unbiased_std=False,
     )
     return adv[:, 0].clamp(-clip_max, clip_max)
 
@@ -246,7 +252,12 @@ class FlowGRPOTrainer:
         for j, weight in zip(self.trained_steps, self.step_weights, strict=True):
             p = step_params(self.train_sigmas, j, s.noise_level)
             x, next_x = traj.latents[rows, j], traj.latents[rows, j + 1]
-            kwargs = {"guidance_scale": s.guidance_scale, "uncond": uncond, "reduce": s.log_prob_reduce}
+            kwargs = {
+                "guidance_scale": s.guidance_scale,
+                "uncond": uncond,
+                "reduce": s.log_prob_reduce,
+                "model_dtype": traj.model_dtype,
+            }
             log_prob, mean = step_log_prob(self.policy, x, next_x, cond, p, **kwargs)
             loss, metrics = clipped_step_loss(log_prob, traj.log_probs[rows, j], adv * weight, tc.clip_range)
             sums["pg_loss"] += loss.item()
@@ -292,7 +303,7 @@ class FlowGRPOTrainer:
         groups = rewards.view(-1, tc.group_size)
         metrics = {
             "reward/mean": float(rewards.mean()),
-            "reward/std_per_prompt": float(groups.std(-1).mean()),
+            "reward/std_per_prompt": float(groups.std(-1, correction=0).mean()),
             "reward/zero_std_ratio": float((groups.std(-1) == 0).float().mean()),
             "batch/kept_fraction": len(keep) / len(adv),
         }

@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
+from tearless.config.derived import policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
 from tearless.workers.schedule import (
@@ -129,6 +130,7 @@ class Actor(LogProbWorker):
         total_steps: int,
         log_prob_micro_batch_size: int | None = None,
         share_prompts: bool = True,
+        loss_scale_factor: float | None = None,
     ):
         super().__init__(
             model,
@@ -137,6 +139,8 @@ class Actor(LogProbWorker):
             share_prompts=share_prompts,
         )
         self.cfg = cfg
+        # seq-mean-token-sum-norm's S; None (and no cfg.loss_scale_factor): the mini-batch's padded width.
+        self.loss_scale_factor = cfg.loss_scale_factor if loss_scale_factor is None else loss_scale_factor
         self.rollout_n = rollout_n
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg.optim, total_steps)
@@ -162,6 +166,7 @@ class Actor(LogProbWorker):
             clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode,
             rollout_is_weights=mb.get("rollout_is_weights", None),
+            **policy_loss_knobs(cfg),
             **norm,
         )
         loss = pg_loss
@@ -184,14 +189,21 @@ class Actor(LogProbWorker):
         """Run the PPO epochs over ``td`` (one training step's responses) in this process; return
         averaged metrics. A worker group runs the same :func:`policy_update` across its ranks."""
         detached = on_policy(self.cfg, td.batch_size[0] // self.rollout_n)
-        s = actor_settings(self.cfg, self.rollout_n)
+        s = actor_settings(self.cfg, self.rollout_n, self.loss_scale_factor)
 
         def run(work):
             ((rows, steps),) = work
             return [run_plan(self, rows, steps, s, lambda mb, norm: self.micro_loss(mb, norm, detached))]
 
         return policy_update(
-            self.cfg, self.rollout_n, td, 1, run, generator=generator, entropy_of=self.entropy_of
+            self.cfg,
+            self.rollout_n,
+            td,
+            1,
+            run,
+            generator=generator,
+            entropy_of=self.entropy_of,
+            loss_scale_factor=self.loss_scale_factor,
         )
 
     def entropy_of(self, rows: TensorDict) -> torch.Tensor:
@@ -216,8 +228,8 @@ def skips_zero_adv_rows(cfg: ActorConfig, num_prompts: int) -> bool:
     )
 
 
-def actor_settings(cfg: ActorConfig, rollout_n: int) -> UpdateSettings:
-    """The schedule's view of an actor config section."""
+def actor_settings(cfg: ActorConfig, rollout_n: int, loss_scale_factor: float | None) -> UpdateSettings:
+    """The schedule's view of an actor config section (with seq-mean-token-sum-norm's constant S)."""
     return UpdateSettings(
         rows_per_mini=cfg.ppo_mini_batch_size * rollout_n,
         epochs=cfg.ppo_epochs,
@@ -226,6 +238,7 @@ def actor_settings(cfg: ActorConfig, rollout_n: int) -> UpdateSettings:
         token_budget=cfg.ppo_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         grad_clip=cfg.grad_clip,
         prefix="actor",
+        loss_scale_factor=loss_scale_factor,
     )
 
 
@@ -238,6 +251,7 @@ def policy_update(
     *,
     generator: torch.Generator | None,
     entropy_of: Callable[[TensorDict], torch.Tensor],
+    loss_scale_factor: float | None,
 ) -> dict[str, float]:
     """The actor's update in any placement (:func:`~tearless.workers.schedule.scheduled_update`):
     on-policy, rows whose advantages are all zero are left out when their gradient is exactly zero
@@ -255,7 +269,7 @@ def policy_update(
 
     out = scheduled_update(
         td,
-        actor_settings(cfg, rollout_n),
+        actor_settings(cfg, rollout_n, loss_scale_factor),
         world,
         run_ranks,
         generator=generator,

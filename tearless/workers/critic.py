@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import value_loss
+from tearless.config.derived import loss_scale_factor
 from tearless.models.value import response_values
 from tearless.workers.actor import make_optimizer
 from tearless.workers.schedule import (
@@ -31,7 +32,7 @@ class Critic:
     ``settings`` are the critic section with every null (inherit-from-actor) field already resolved:
     ``ppo_mini_batch_size`` (prompts), ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``,
     ``ppo_max_token_len_per_gpu``, ``ppo_epochs``, ``shuffle``, ``cliprange_value``, ``loss_agg_mode``,
-    ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
+    ``loss_scale_factor``, ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
     """
 
     def __init__(self, model: torch.nn.Module, settings, *, rollout_n: int, total_steps: int) -> None:
@@ -98,6 +99,7 @@ def update_settings(settings, rollout_n: int) -> UpdateSettings:
         token_budget=settings.ppo_max_token_len_per_gpu if settings.use_dynamic_bsz else None,
         grad_clip=settings.grad_clip,
         prefix="critic",
+        loss_scale_factor=settings.loss_scale_factor,
     )
 
 
@@ -108,6 +110,8 @@ def critic_settings(cfg) -> SimpleNamespace:
     for name in ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "use_dynamic_bsz"):
         if getattr(settings, name) is None:
             setattr(settings, name, getattr(a, name))
+    if settings.loss_scale_factor is None:
+        settings.loss_scale_factor = loss_scale_factor(cfg)
     return settings
 
 

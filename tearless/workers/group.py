@@ -24,6 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.config import Config
+from tearless.config.derived import loss_scale_factor
 from tearless.rollout.agent import agent_metrics
 from tearless.rollout.hf import RolloutOutput, concat_rollouts
 from tearless.workers.actor import on_policy, policy_update
@@ -186,6 +187,7 @@ class WorkerGroup:
             self._run("actor", detached),
             generator=generator,
             entropy_of=lambda rows: self.compute_log_prob("actor", rows, with_entropy=True)[1],
+            loss_scale_factor=loss_scale_factor(self.cfg),
         )
         metrics.update(self.after_update())
         return metrics

@@ -35,6 +35,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.config import Config
+from tearless.config.derived import loss_scale_factor
 from tearless.cpu import configure_cpu
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tearless.models.value import load_value_model, response_values
@@ -142,6 +143,7 @@ class Rank:
                 total_steps=spec.total_steps,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                 share_prompts=arr.model.share_prompt_forward,
+                loss_scale_factor=loss_scale_factor(cfg),
             )
         if "ref" in spec.roles:
             ref_kw = dict(
@@ -397,7 +399,9 @@ class Rank:
         cfg = self.spec.cfg
         unit = self.roles[role]
         if role == "actor":
-            s = actor_settings(cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n)
+            s = actor_settings(
+                cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n, unit.loss_scale_factor
+            )
 
             def loss_fn(mb, norm):
                 return unit.micro_loss(mb, norm, detached)

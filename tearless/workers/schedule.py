@@ -106,13 +106,18 @@ def balanced_partition(
     return [sorted(p) for p in parts]
 
 
-def mini_batch_norm(response_mask: torch.Tensor) -> dict[str, torch.Tensor | float]:
-    """The global normalisers of one mini-batch: its loss-mask tokens, its non-empty sequences and the
-    padded width (the ``loss_scale_factor`` of ``seq-mean-token-sum-norm``)."""
+def mini_batch_norm(
+    response_mask: torch.Tensor, loss_scale_factor: float | None = None
+) -> dict[str, torch.Tensor | float]:
+    """The global normalisers of one mini-batch: its loss-mask tokens, its non-empty sequences and
+    ``seq-mean-token-sum-norm``'s constant S (the trainer passes
+    :func:`tearless.config.derived.loss_scale_factor`; None falls back to the padded width, which
+    changes with the step's longest response)."""
+    scale = response_mask.shape[1] if loss_scale_factor is None else loss_scale_factor
     return {
         "global_num_tokens": response_mask.sum().clamp(min=1),
         "global_num_seqs": (response_mask.sum(-1) > 0).sum().clamp(min=1),
-        "loss_scale_factor": float(response_mask.shape[1]),
+        "loss_scale_factor": float(scale),
     }
 
 
@@ -141,6 +146,7 @@ class UpdateSettings:
     token_budget: int | None
     grad_clip: float
     prefix: str
+    loss_scale_factor: float | None = None
 
 
 def plan_updates(
@@ -166,7 +172,7 @@ def plan_updates(
         for start in range(0, rows, s.rows_per_mini):
             mini = order[start : start + s.rows_per_mini].tolist()
             size = len(mini)
-            norm = mini_batch_norm(td["response_mask"][mini])
+            norm = mini_batch_norm(td["response_mask"][mini], s.loss_scale_factor)
             skipped: list[int] = []
             if skip_rows is not None:
                 skipped = [i for i in mini if bool(skip_rows[i])]

@@ -215,7 +215,7 @@ def test_groups_follow_ids_not_positions(estimator):
 
 def test_errors_name_what_is_missing_or_wrong():
     r, m = outcome([1.0, 0.0])
-    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; known: gae, grpo"):
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'; known: gae, gpg, grpo"):
         compute_advantage("ppo", token_level_rewards=r, response_mask=m)
     with pytest.raises(ValueError, match="'gae' needs 'values'"):
         compute_advantage("gae", token_level_rewards=r, response_mask=m)
@@ -232,6 +232,7 @@ def test_errors_name_what_is_missing_or_wrong():
 def test_registry_holds_every_documented_estimator():
     assert set(ADV_ESTIMATORS) == {
         "gae",
+        "gpg",
         "grpo",
         "rloo",
         "reinforce_plus_plus",

@@ -69,9 +69,12 @@ def test_gspo_hand_worked():
     assert loss.item() == pytest.approx(-rho)
     torch.testing.assert_close(log_prob.grad, torch.full((1, 2), -rho / 2))
     assert metrics["pg_clipfrac"].item() == 0.0
-    # loss_agg_mode is ignored: GSPO defines its own aggregation.
-    summed, _ = policy_loss("gspo", log_prob=log_prob, loss_agg_mode="token-sum", **inputs)
-    assert summed.item() == pytest.approx(-rho)
+    # GSPO defines its own aggregation (veRL hard-codes it): naming it is accepted, another is refused.
+    same, _ = policy_loss("gspo", log_prob=log_prob, loss_agg_mode="seq-mean-token-mean", **inputs)
+    assert same.item() == loss.item()
+    for other in ("token-sum", "token-mean"):
+        with pytest.raises(ValueError, match=f"'gspo' aggregates with 'seq-mean-token-mean'.*{other}"):
+            policy_loss("gspo", log_prob=log_prob, loss_agg_mode=other, **inputs)
 
 
 def test_gspo_clips_whole_sequences():
@@ -143,12 +146,19 @@ def test_clip_cov_random_choice_is_reproducible_with_a_generator():
 
 
 def test_kl_cov_penalises_the_top_covariance_token():
-    # Δ = (0.1, 0, 0, 0): token 0 (top covariance 4.5) gets −3·e^0.1 + 1.0·0.1; the others −Aρ = 1.
+    # Δ = (0.1, 0, 0, 0): token 0 (top covariance 4.5) gets −3·e^0.1 + β·0.1; the others −Aρ = 1.
+    # β = ppo_kl_coef defaults to veRL's 0.1 and is settable.
     old = COV_LOGP - torch.tensor([[0.1, 0.0, 0.0, 0.0]])
-    loss, metrics = policy_loss(
-        "kl_cov", old_log_prob=old, log_prob=COV_LOGP, advantages=COV_ADV, response_mask=torch.ones(1, 4)
-    )
-    assert loss.item() == pytest.approx((-3 * math.exp(0.1) + 0.1 + 3) / 4)
+    args = {
+        "old_log_prob": old,
+        "log_prob": COV_LOGP,
+        "advantages": COV_ADV,
+        "response_mask": torch.ones(1, 4),
+    }
+    loss, metrics = policy_loss("kl_cov", **args)
+    assert loss.item() == pytest.approx((-3 * math.exp(0.1) + 0.1 * 0.1 + 3) / 4)
+    stronger, _ = policy_loss("kl_cov", ppo_kl_coef=2.0, **args)
+    assert stronger.item() == pytest.approx((-3 * math.exp(0.1) + 2.0 * 0.1 + 3) / 4)
     assert metrics["ppo_kl_abs"].item() == pytest.approx(0.1 / 4)
     assert metrics["pg_clipfrac"].item() == 0.0
 
@@ -175,7 +185,7 @@ def test_every_mode_reports_the_common_metrics_and_survives_an_empty_mask(mode):
     log_prob = torch.randn(2, 3, requires_grad=True)
     loss, metrics = policy_loss(
         mode, old_log_prob=torch.randn(2, 3), log_prob=log_prob, advantages=torch.randn(2, 3),
-        response_mask=torch.zeros(2, 3),
+        response_mask=torch.zeros(2, 3), dro_beta=0.1,
     )  # fmt: skip
     assert {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"} <= set(metrics)
     assert loss.item() == 0.0 and all(v.item() == 0.0 for v in metrics.values())
@@ -237,3 +247,13 @@ def test_logprobs_from_logits():
     labels = torch.randint(0, 11, (3, 4))
     expected = torch.log_softmax(logits, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs_from_logits(logits, labels), expected)
+
+
+def test_value_loss_dr_grpo_mode_is_a_mean_over_responses():
+    # 4 responses × 5 tokens with (v − G)² = 2 everywhere: ½ · Σ 2 / (4 responses · S = 5) = 1, like
+    # token-mean; dividing by S alone gave 4.
+    ones = torch.ones(4, 5)
+    args = (torch.zeros(4, 5), torch.zeros(4, 5), ones * math.sqrt(2), ones, 10.0)
+    loss, _ = value_loss(*args, "seq-mean-token-sum-norm")
+    assert loss.item() == pytest.approx(1.0)
+    assert value_loss(*args, "seq-mean-token-sum-norm", loss_scale_factor=10)[0].item() == pytest.approx(0.5)

@@ -34,7 +34,8 @@ def fails(*overrides: str) -> str:
 def test_defaults_are_valid_and_mirror_verl_names():
     cfg = load_config()
     assert cfg.algorithm.adv_estimator == "grpo"
-    assert cfg.actor_rollout_ref.actor.loss_agg_mode == "token-mean"
+    # null: token-mean for every term (veRL's default), the policy term of gspo/sapo/geo_mean their own.
+    assert cfg.actor_rollout_ref.actor.loss_agg_mode is None
     assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2 and cfg.actor_rollout_ref.actor.clip_ratio_c == 3.0
     assert cfg.trainer.resume_mode == "auto"
     # Interpolation resolves when the config is built.

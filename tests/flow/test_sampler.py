@@ -72,6 +72,45 @@ def test_recomputed_log_prob_equals_the_stored_one_exactly(guidance_scale, reduc
         assert torch.equal(log_prob, traj.log_probs[:, j])
 
 
+class RecordingFlow(GaussianFlow):
+    """The exact flow, noting the dtype each call was fed."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def forward(self, x, t, cond):
+        self.seen.add(x.dtype)
+        return super().forward(x, t, cond)
+
+
+def test_bfloat16_model_gets_bfloat16_inputs_but_steps_and_log_probs_are_float32():
+    model, g = RecordingFlow(), torch.Generator().manual_seed(0)
+    sigmas = sigma_schedule(10, 3.0)
+    cond = torch.zeros(8)
+    noise = torch.randn(8, 4, 16, 16, generator=g).bfloat16()
+    traj = sample_sde(model, cond, noise, sigmas, generator=g)
+    assert model.seen == {torch.bfloat16} and traj.model_dtype == torch.bfloat16
+    assert traj.latents.dtype == torch.float32 and traj.log_probs.dtype == torch.float32
+    n = 4 * 16 * 16
+    for j in range(10):
+        p = step_params(sigmas, j, 0.7)
+        x, next_x = traj.latents[:, j], traj.latents[:, j + 1]
+        log_prob, _ = step_log_prob(model, x, next_x, cond, p, model_dtype=traj.model_dtype)
+        assert torch.equal(log_prob, traj.log_probs[:, j])  # the same float32 expression
+        # Against float64 from the same (bfloat16) velocity: a mean of n float32 terms of about 1-3 in
+        # size, each a handful of roundings (n + 8 terms' worth), instead of bfloat16's 2⁻⁸ per term.
+        v = guided_velocity(model, x.bfloat16(), p.t, cond).double()
+        mean64 = sde_step_mean(x.double(), v, p)
+        exact = gaussian_log_prob(next_x.double(), mean64, p.std)
+        terms = ((next_x.double() - mean64) ** 2 / (2 * p.std**2) + abs(math.log(p.std)) + 1).mean()
+        atol = sum_tol(n + 8, float(terms))
+        torch.testing.assert_close(traj.log_probs[:, j].double(), exact, atol=atol, rtol=0)
+        # The bfloat16 evaluation this replaced misses by more than that tolerance.
+        old = gaussian_log_prob(next_x.bfloat16(), sde_step_mean(x.bfloat16(), v.bfloat16(), p), p.std)
+        assert (old.double() - exact).abs().max() > atol
+
+
 def test_sde_preserves_the_marginals_of_an_exact_flow():
     # The exact velocity of N(1, 0.5²) data: both the ODE and the SDE (a = 0.7, 50 steps) land on it.
     flow, g = GaussianFlow(m=1.0, s=0.5), torch.Generator().manual_seed(0)

@@ -15,17 +15,18 @@ from tests.tolerances import module_terms, sum_tol
 
 def test_flow_advantages_hand_worked():
     # Prompt 0: rewards (1, 0, 0, 0), mean 0.25; prompt 1: (0.5 × 4), mean 0.5 → exactly 0.
-    # Batch std (unbiased) of the 8 rewards, mean 0.375: sqrt((0.390625 + 3·0.140625 + 4·0.015625)/7)
-    # = sqrt(0.875/7) = 0.353553.
+    # Batch std of the 8 rewards, mean 0.375, population (÷ 8, Flow-GRPO's numpy std):
+    # sqrt((0.390625 + 3·0.140625 + 4·0.015625)/8) = sqrt(0.875/8) = 0.330719.
     rewards = torch.tensor([1.0, 0, 0, 0, 0.5, 0.5, 0.5, 0.5])
     ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    std = (0.875 / 7) ** 0.5
+    std = (0.875 / 8) ** 0.5
     adv = flow_advantages(rewards, ids, std_scope="batch", epsilon=1e-4, clip_max=5.0)
     expected = [0.75 / (std + 1e-4)] + [-0.25 / (std + 1e-4)] * 3 + [0.0] * 4
     assert adv.tolist() == pytest.approx(expected)
-    # Per-prompt std of (1, 0, 0, 0) is 0.5 (unbiased): 0.75/0.5 = 1.5; clipped at 1.2.
+    # Per-prompt population std of (1, 0, 0, 0) is sqrt(0.75/4) = 0.433013 (0.5 unbiased):
+    # 0.75/0.433 = 1.732, clipped at 1.2; −0.25/0.433 = −0.577350.
     adv = flow_advantages(rewards, ids, std_scope="group", epsilon=1e-9, clip_max=1.2)
-    assert adv.tolist() == pytest.approx([1.2, -0.5, -0.5, -0.5, 0, 0, 0, 0])
+    assert adv.tolist() == pytest.approx([1.2, *[-0.25 / 0.1875**0.5] * 3, 0, 0, 0, 0])
     # Statistics that must hold: zero mean within each group, std one across the batch scale.
     g = torch.Generator().manual_seed(0)
     r = torch.rand(64, generator=g)
@@ -34,10 +35,9 @@ def test_flow_advantages_hand_worked():
     # Group means (sums of 16 rewards in [0, 1]) and the batch std (a sum of 64) computed here and
     # in flow_advantages in other orders, and a division undone by a multiplication.
     tol = sum_tol(16 + 64, 1.0, safety=2)
-    assert adv.view(4, 16).mean(-1).abs().max() < tol / float(r.std())  # the same, in units of std
-    torch.testing.assert_close(
-        adv * r.std(), r - r.view(4, 16).mean(-1).repeat_interleave(16), atol=tol, rtol=0
-    )
+    std = r.std(correction=0)
+    assert adv.view(4, 16).mean(-1).abs().max() < tol / float(std)  # the same, in units of std
+    torch.testing.assert_close(adv * std, r - r.view(4, 16).mean(-1).repeat_interleave(16), atol=tol, rtol=0)
 
 
 def test_clip_masks_the_gradient_of_samples_past_the_range():
