@@ -91,8 +91,14 @@ class Pool:
             count = min(per_node, world - start)
             self.groups.append(placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK"))
         self.workers = [{"rank": r, "pid": None, "host": None} for r in range(world)]
-        if not ray.get([g.ready() for g in self.groups], timeout=timeout_s):
-            raise WorkerError(f"{name}: the cluster has no room for {world} workers of {bundle}")
+        ready, _ = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups), timeout=timeout_s)
+        if len(ready) < len(self.groups):
+            self.close()
+            raise WorkerError(
+                f"{name}: the Ray cluster had no room for {world} workers of {bundle} within "
+                f"trainer.worker_timeout_s={timeout_s:g} s; free resources, lower trainer.n_gpus_per_node "
+                "or trainer.num_cpus_per_worker, or raise the timeout"
+            )
         remote = ray.remote(Rank)
         for r in range(world):
             strategy = PlacementGroupSchedulingStrategy(self.groups[r // per_node], r % per_node)

@@ -34,24 +34,34 @@ def _lora_delta(module: torch.nn.Module) -> torch.Tensor:
     return delta
 
 
+def _gathered(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of a state dict, each storage gathered once: tied weights (an LM head
+    sharing the embedding) come back as the same tensor, as ``save_pretrained`` expects of them."""
+    from tearless.workers.optim_state import local_tensor
+
+    seen: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    for name, value in state.items():
+        key = (local_tensor(value).untyped_storage().data_ptr(), tuple(value.shape))
+        if key not in seen:
+            seen[key] = full_tensor(value).detach()
+        yield name, seen[key]
+
+
 @torch.no_grad()
 def hf_weights(
     model: torch.nn.Module, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every entry of the plain model's state dict, LoRA merged, optionally cast."""
     if not is_lora(model):
-        for name, value in model.state_dict().items():
-            t = full_tensor(value).detach()
+        for name, t in _gathered(model.state_dict()):
             yield name, t if dtype is None else t.to(dtype)
         return
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model()
     layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
-            continue
-        t = full_tensor(value).detach()
+    state = {k: v for k, v in base.state_dict().items() if ".lora_" not in k}
+    for key, t in _gathered(state):
         owner, _, leaf = key.rpartition(".base_layer.")
         if leaf == "weight" and owner in layers:
             t = t + _lora_delta(layers[owner]).to(t.dtype)
@@ -81,10 +91,10 @@ def save_model(
             save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
             model.peft_config[model.active_adapter].save_pretrained(str(directory))
         return
-    state = {}
+    state, on_cpu = {}, {}
     for name, t in hf_weights(model):
-        if write:
-            state[name] = t.cpu()
+        if write:  # one CPU copy per tensor, so tied weights stay one storage
+            state[name] = on_cpu.setdefault(id(t), t.cpu())
     if write:
         plain = model.get_base_model() if is_lora(model) else model
         with quiet_transformers():

@@ -161,5 +161,6 @@ def _diff(keys: list[str], old: dict[str, Any], new: dict[str, Any]) -> str:
 
 
 def _short(value: Any) -> str:
+    """A value for a message: whole up to 240 characters (a file path fits), else its two ends."""
     text = json.dumps(value, default=str)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= 240 else f"{text[:118]}…{text[-118:]}"

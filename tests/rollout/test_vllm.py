@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.logprobs import response_logprobs
+from tearless.models.weights import hf_weights
 from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout
 from tearless.rollout.seeds import prompt_keys
@@ -63,12 +64,21 @@ def test_samples_with_log_probs_close_to_the_trainers(setup):
     assert engine.asleep  # the engine released its memory after generating
 
 
+def test_same_keys_draw_the_same_responses_in_any_batch(setup):
+    # Placement invariance: each prompt is one request seeded from its key.
+    _, _, engine, prompts = setup
+    keys = prompt_keys(3, 1, 0, len(prompts))
+    together = engine.generate(prompts, n=2, max_new_tokens=8, keys=keys)
+    alone = engine.generate(prompts[1:2], n=2, max_new_tokens=8, keys=keys[1:2])
+    assert together.response_ids[2:4, : alone.response_ids.shape[1]].tolist() == alone.response_ids.tolist()
+
+
 def test_weight_sync_changes_generation_to_the_trainers_greedy(setup):
     tok, model, engine, prompts = setup
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    engine.update_weights({k: v.detach() for k, v in model.state_dict().items()})
+    engine.load_weights(hf_weights(model))  # in this process, one tensor at a time
     hf = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     ours = engine.generate(prompts, n=1, max_new_tokens=8, do_sample=False)
     reference = hf.generate(prompts, n=1, max_new_tokens=8, do_sample=False)
