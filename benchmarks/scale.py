@@ -3,9 +3,11 @@
 Each placement trains the same config (the default GRPO run on the embedded task: 16 prompts × 8
 responses per step) for ``--steps`` steps, one after the other in this process's Ray session, and the
 per-step timings logged in ``metrics.jsonl`` are summarised as medians over the steps after the first
-(which pays for lazy initialisation). Start-up (model loading, Ray actors, process group) is timed
-separately. The runs draw the same data and must agree: the largest relative difference of
-``actor/pg_loss`` between a Ray run and the local run is printed as a check.
+(which pays for lazy initialisation): the step, generation and scoring (each the slowest rank's), the
+actor update and the weight broadcast to separate rollout workers. Start-up (model loading, Ray
+actors, process groups) is timed separately. The runs draw the same responses (keyed sampling) and
+must agree: the largest relative difference of ``actor/pg_loss`` between a Ray run and the local run
+is printed as a check.
 
     OMP_NUM_THREADS=1 TEARLESS_CACHE=<warm cache> python benchmarks/scale.py --steps 20
 """
@@ -29,9 +31,15 @@ from tearless.trainers.tracking import read_metrics
 PLACEMENTS = {
     "local (1 process)": ["trainer.placement=local"],
     "ray, 1 worker": ["trainer.placement=ray", "trainer.n_gpus_per_node=1"],
-    "ray, 2 workers": ["trainer.placement=ray", "trainer.n_gpus_per_node=2"],
+    "ray, 2 workers (hybrid)": ["trainer.placement=ray", "trainer.n_gpus_per_node=2"],
+    "ray, 1 trainer + 1 rollout worker (split)": [
+        "trainer.placement=ray",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    ],
 }
-TIMINGS = ("step", "gen", "reward", "old_log_prob", "update_actor", "update_weights")
+TIMINGS = ("step", "gen", "reward", "update_actor", "update_weights")
 
 
 def run(overrides: list[str]) -> tuple[float, list[dict]]:

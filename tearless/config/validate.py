@@ -424,6 +424,14 @@ def _validate_placement(cfg: Config) -> None:
                 "The cap C truncates weights above it; 2.0 is veRL's default.",
             )
     if rollout.name == "vllm":
+        if rollout.tensor_model_parallel_size != 1:
+            _fail(
+                "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                f"each worker owns one vLLM engine on its own GPU and loads the new weights in its own "
+                f"process; an engine spanning {rollout.tensor_model_parallel_size} GPUs would need them "
+                "pickled to its other processes",
+                "Set it to 1: every GPU generates its share of the prompts (data-parallel rollout).",
+            )
         if importlib.util.find_spec("vllm") is None:
             _fail(
                 "actor_rollout_ref.rollout.name",
@@ -435,14 +443,6 @@ def _validate_placement(cfg: Config) -> None:
                 "actor_rollout_ref.rollout.gpu_memory_utilization",
                 f"must be in (0, 1], got {rollout.gpu_memory_utilization}",
                 "0.5 leaves half the GPU to training in a colocated run.",
-            )
-        if rollout.tensor_model_parallel_size != 1:
-            _fail(
-                "actor_rollout_ref.rollout.tensor_model_parallel_size",
-                f"each worker owns one vLLM engine on its own GPU and loads the new weights in its own "
-                f"process; an engine spanning {rollout.tensor_model_parallel_size} GPUs would need them "
-                "pickled to its other processes",
-                "Set it to 1: every GPU generates its share of the prompts (data-parallel rollout).",
             )
         _positive("actor_rollout_ref.rollout.weight_sync_timeout_s", rollout.weight_sync_timeout_s)
 

@@ -31,7 +31,8 @@ from typing import Any
 
 from tearless.config import Config, to_dict
 from tearless.workers.group import WorkerGroup
-from tearless.workers.rank import Rank, RankSpec
+from tearless.workers.rank import Rank
+from tearless.workers.spec import RankSpec
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

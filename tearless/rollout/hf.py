@@ -130,6 +130,8 @@ class HFRollout:
         """
         if do_sample and keys is None:
             keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        if keys is not None and len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} sampling keys for {len(prompts)} prompts; give one per prompt")
         was_training = self.model.training
         self.model.eval()
         expanded = [p for p in prompts for _ in range(n)]

@@ -51,9 +51,10 @@ def make_pairs(
     ``data_source``, ``reward_model`` and ``extra_info`` with the sample counts) for ``rows``."""
     from tearless.data import render_prompt
     from tearless.rollout.hf import HFRollout
+    from tearless.rollout.seeds import prompt_keys
 
     rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    generator = torch.Generator().manual_seed(seed)
+    keys = prompt_keys(seed, 0, 0, len(rows))
     pairs = []
     for start in range(0, len(rows), chunk):
         part = rows[start : start + chunk]
@@ -62,7 +63,7 @@ def make_pairs(
             n=samples_per_prompt,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
-            generator=generator,
+            keys=keys[start : start + chunk],
         )
         texts = [
             tokenizer.decode(ids[m.bool()], skip_special_tokens=True)

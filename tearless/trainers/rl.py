@@ -41,7 +41,7 @@ from tearless.trainers.validation import format_validation, validate
 from tearless.workers.actor import on_policy, reward_kl
 from tearless.workers.critic import critic_value_stats, explained_variance
 from tearless.workers.group import Rollout, make_workers
-from tearless.workers.rank import RankSpec
+from tearless.workers.spec import RankSpec
 
 
 def critic_enabled(cfg: Config) -> bool:

@@ -29,9 +29,10 @@ from tearless.rollout.agent import agent_metrics
 from tearless.rollout.hf import RolloutOutput, concat_rollouts
 from tearless.workers.actor import on_policy, policy_update
 from tearless.workers.critic import critic_settings, update_settings
-from tearless.workers.rank import Rank, RankSpec
+from tearless.workers.rank import Rank
 from tearless.workers.schedule import balanced_partition, count_micro_batches, row_tokens, scheduled_update
 from tearless.workers.scoring import reward_metrics
+from tearless.workers.spec import RankSpec
 
 
 @dataclass

@@ -21,12 +21,11 @@ weights; on GPU, forward and backward run in ``fsdp_config.param_dtype`` (bf16 b
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,45 +33,22 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from tearless.config import Config
 from tearless.config.derived import loss_scale_factor
 from tearless.cpu import configure_cpu
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
-from tearless.models.value import load_value_model, response_values
+from tearless.models.value import response_values
 from tearless.models.weights import hf_weights, save_model
 from tearless.trainers.metrics import Timer
 from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, actor_settings
+from tearless.workers.build import ModelBuilder, build_rollout, rollout_dtype
 from tearless.workers.critic import Critic, critic_settings, update_settings
 from tearless.workers.optim_state import load_optimizer, save_optimizer
 from tearless.workers.schedule import attention_mask, micro_batches, pad_micro_batches, run_plan
 from tearless.workers.scoring import score_responses
+from tearless.workers.spec import RankSpec
 
 ROLES = ("actor", "ref", "critic")
 TRAINED = ("actor", "critic")
-
-
-@dataclasses.dataclass
-class RankSpec:
-    """What a rank builds. ``model_path`` holds the initial weights; ``resume_dir`` a checkpoint whose
-    ``actor/`` (and ``critic/``) replace them; ``tool_config`` is the embedded task's tool YAML,
-    used when ``multi_turn.tool_config_path`` is null."""
-
-    cfg: Config
-    roles: tuple[str, ...]
-    rollout: bool
-    model_path: str
-    total_steps: int
-    device: str
-    resume_dir: str | None = None
-    reward_fn: Callable[..., Any] | None = None
-    tool_config: str | None = None
-
-
-def rollout_dtype(cfg: Config, device: str) -> str:
-    """The dtype a separate rollout engine holds the policy in: ``rollout.dtype``, or bfloat16 on GPU
-    and float32 on CPU."""
-    name = cfg.actor_rollout_ref.rollout.dtype
-    return name if name else ("bfloat16" if device == "cuda" else "float32")
 
 
 class Rank:
@@ -86,8 +62,6 @@ class Rank:
         self.reward: Any = None
         self.agent: Any = None
         self.weight_sync: Any = None
-        # An engine holding its own copy of the policy beside the trained one (vLLM in the hybrid
-        # placement): it takes the new weights after every update.
         self.separate_engine = False
 
     # ------------------------------------------------------------------ where and how it starts
@@ -134,9 +108,10 @@ class Rank:
             self.mesh = init_device_mesh(self.device.type, (self.world,))
         tok = arr.model.tokenizer_path or spec.model_path
         self.tokenizer = load_tokenizer(tok)
+        self.models = ModelBuilder(spec, self.rank, self.world, self.mesh, self.device)
         if "actor" in spec.roles:
             self.roles["actor"] = Actor(
-                self._causal_lm("actor", trained=True),
+                self.models.causal_lm("actor", trained=True),
                 arr.actor,
                 rollout_n=arr.rollout.n,
                 temperature=arr.rollout.temperature,
@@ -154,152 +129,25 @@ class Rank:
             if arr.model.lora_rank > 0:  # the actor's model with its adapters off
                 self.roles["ref"] = AdapterOffLogProbWorker(self.roles["actor"].model, **ref_kw)
             else:
-                self.roles["ref"] = LogProbWorker(self._causal_lm("ref", trained=False), **ref_kw)
+                self.roles["ref"] = LogProbWorker(self.models.causal_lm("ref", trained=False), **ref_kw)
         if "critic" in spec.roles:
             self.roles["critic"] = Critic(
-                self._value_model(),
+                self.models.value_model(),
                 critic_settings(cfg),
                 rollout_n=arr.rollout.n,
                 total_steps=spec.total_steps,
             )
         for role in TRAINED:
-            if role in self.roles and self._fsdp(role).optimizer_offload and self.device.type == "cuda":
+            if role in self.roles and self.models.fsdp(role).optimizer_offload and self.device.type == "cuda":
                 from tearless.distributed.fsdp import move_optimizer_state
 
                 move_optimizer_state(self.roles[role].optimizer, "cpu")
         if spec.rollout:
-            self._setup_rollout()
-
-    def _fsdp(self, role: str):
-        cfg = self.spec.cfg
-        if role == "critic":
-            return cfg.critic.model.fsdp_config
-        return getattr(cfg.actor_rollout_ref, role).fsdp_config
-
-    def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
-        """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0."""
-        if self.world == 1:
-            return build(True).to(self.device)
-        from tearless.distributed.fsdp import shard_from_rank0
-
-        fsdp, cuda = self._fsdp(role), self.device.type == "cuda"
-        model = shard_from_rank0(
-            build,
-            self.mesh,
-            rank=self.rank,
-            device="cpu" if fsdp.param_offload and cuda else self.device,
-            param_offload=fsdp.param_offload and cuda,
-            param_dtype=resolve_dtype(fsdp.param_dtype) if cuda else None,
-            reshard_after_forward=fsdp.reshard_after_forward,
-        )
-        if cuda:
-            model.tearless_compute_device = self.device
-        return model
-
-    def _master_dtype(self, trained: bool) -> str:
-        """Sharded trained weights stay float32 (FSDP's mixed precision computes in param_dtype);
-        a single process keeps ``model.dtype``."""
-        return "float32" if trained and self.world > 1 else self.spec.cfg.actor_rollout_ref.model.dtype
-
-    def _causal_lm(self, role: str, *, trained: bool) -> torch.nn.Module:
-        m, spec = self.spec.cfg.actor_rollout_ref.model, self.spec
-        dtype = self._master_dtype(trained)
-        checkpointing = m.enable_gradient_checkpointing and trained
-        resume = Path(spec.resume_dir) / "actor" if spec.resume_dir and role == "actor" else None
-        lora = m.lora_rank > 0 and role == "actor"
-
-        def build(real: bool) -> torch.nn.Module:
-            path = resume if resume is not None and not lora else spec.model_path
-            model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
-            if not trained:
-                model.requires_grad_(False)
-            if not lora:
-                return model
-            from tearless.models.lora import add_lora, load_lora
-
-            if resume is not None and real:
-                return load_lora(model, resume, gradient_checkpointing=checkpointing)
-            if not real:
-                torch.manual_seed(0)  # the skeleton's init is discarded; keep it cheap and fixed
-            kw = dict(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules)
-            return add_lora(model, gradient_checkpointing=checkpointing, **kw)
-
-        return self._shard(build, role)
-
-    def _value_model(self) -> torch.nn.Module:
-        cfg, spec = self.spec.cfg, self.spec
-        path = (
-            Path(spec.resume_dir) / "critic"
-            if spec.resume_dir
-            else (cfg.critic.model.path or spec.model_path)
-        )
-
-        def build(real: bool) -> torch.nn.Module:
-            return load_value_model(
-                path,
-                dtype=self._master_dtype(True),
-                gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
-                meta=not real,
-            )
-
-        return self._shard(build, "critic")
-
-    def _setup_rollout(self) -> None:
-        cfg, spec = self.spec.cfg, self.spec
-        arr = cfg.actor_rollout_ref
-        eos = {self.tokenizer.eos_token_id}
-        from transformers import GenerationConfig
-
-        try:
-            gen_eos = GenerationConfig.from_pretrained(spec.model_path).eos_token_id
-        except OSError:
-            gen_eos = None
-        eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-        if arr.rollout.name == "vllm":
-            from tearless.rollout.vllm import VLLMRollout
-
-            self.separate_engine = "actor" in self.roles
-            self.engine = VLLMRollout(
-                spec.model_path,
-                arr.rollout,
-                dtype=rollout_dtype(cfg, spec.device),
-                eos_token_ids=sorted(eos),
-                pad_token_id=self.tokenizer.pad_token_id,
-                seed=cfg.trainer.seed,
-            )
-        else:
-            from tearless.rollout.hf import HFRollout
-
-            if "actor" in self.roles:  # hybrid: sample from the trained weights themselves
-                model = self.roles["actor"].model
-            else:  # split: a plain copy, filled by the first weight broadcast
-                model = load_causal_lm(spec.model_path, dtype=rollout_dtype(cfg, spec.device)).to(self.device)
-                model.requires_grad_(False)
-            self.engine = HFRollout(
-                model, eos_token_ids=sorted(eos), pad_token_id=self.tokenizer.pad_token_id
-            )
-        from tearless.rewards import make_reward_manager
-
-        crf = cfg.custom_reward_function
-        reward_fn = spec.reward_fn
-        if reward_fn is None and crf.path:
-            from tearless.rewards import load_reward_function
-
-            reward_fn = load_reward_function(crf.path, crf.name)
-        self.reward = make_reward_manager(
-            cfg.reward_model,
-            reward_fn,
-            dict(crf.reward_kwargs),
-            max_response_length=arr.rollout.response_length or cfg.data.max_response_length,
-            device=str(self.device),
-        )
-        mt = arr.rollout.multi_turn
-        if mt.enable:
-            from tearless.rollout.agent import AgentLoop, AgentSettings
-            from tearless.tools import load_tools
-
-            tools = load_tools(mt.tool_config_path or spec.tool_config)
-            self.agent = AgentLoop(self.engine, self.tokenizer, tools, AgentSettings.from_config(mt))
+            trained = self.roles["actor"].model if "actor" in self.roles else None
+            self.engine, self.reward, self.agent = build_rollout(spec, self.tokenizer, self.device, trained)
+            # An engine holding its own copy of the policy beside the trained one (vLLM in the hybrid
+            # placement) takes the new weights after every update.
+            self.separate_engine = trained is not None and spec.cfg.actor_rollout_ref.rollout.name != "hf"
 
     # ------------------------------------------------------------------ rollout
     def _rollout_weights(self):
@@ -311,7 +159,7 @@ class Rank:
             return nullcontext()
         from tearless.distributed.fsdp import gathered
 
-        return gathered(self.roles["actor"].model, self._fsdp("actor").reshard_after_forward)
+        return gathered(self.roles["actor"].model, self.models.fsdp("actor").reshard_after_forward)
 
     def generate_share(
         self,
@@ -408,7 +256,7 @@ class Rank:
         else:
             s = update_settings(unit.s, cfg.actor_rollout_ref.rollout.n)
             loss_fn = unit.micro_loss
-        offload = self.device.type == "cuda" and self._fsdp(role).optimizer_offload
+        offload = self.device.type == "cuda" and self.models.fsdp(role).optimizer_offload
         if offload:
             from tearless.distributed.fsdp import move_optimizer_state
 

@@ -141,13 +141,19 @@ def test_micro_batch_must_divide_the_mini_batch_responses():
         (["trainer.n_gpus_per_node=0"], "trainer.n_gpus_per_node", "> 0"),
         (["trainer.worker_timeout_s=0"], "trainer.worker_timeout_s", "> 0"),
         (
-            [
-                "data.train_batch_size=2",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                "trainer.n_gpus_per_node=32",
-            ],
-            "trainer.n_gpus_per_node",
-            "32 workers",
+            ["trainer.placement=ray", "actor_rollout_ref.rollout.nnodes=1"],
+            "actor_rollout_ref.rollout.n_gpus_per_node",
+            "both",
+        ),
+        (
+            ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2"],
+            "rollout.n_gpus_per_node",
+            "placement=ray",
+        ),
+        (
+            ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm"],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "data-parallel rollout",
         ),
         (["algorithm.rollout_correction.rollout_is=batch"], "rollout_correction.rollout_is", "sequence"),
         (

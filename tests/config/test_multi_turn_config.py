@@ -31,10 +31,6 @@ KEY = "actor_rollout_ref.rollout.multi_turn"
             "so that task is not built. Point it at a tool YAML for your data",
         ),
         (["task.name=qa"], "task.name: 'qa' is not one of arithmetic, multihop"),
-        (
-            [f"{KEY}.enable=true", "task.name=multihop", "trainer.placement=ray"],
-            "not wired to the Ray placement yet",
-        ),
     ],
 )
 def test_bad_multi_turn_settings_name_the_key(overrides, words):

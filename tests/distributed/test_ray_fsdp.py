@@ -396,7 +396,8 @@ def test_multi_turn_tool_use_on_separate_rollout_workers_matches_the_single_proc
     assert calls  # the agent loop ran on the rollout worker, with its tools
     metrics = read_metrics(split / "metrics.jsonl")
     assert all(r["timing_s/update_weights"] > 0 for r in metrics)  # the policy was broadcast each step
-    assert {p.name for p in split.glob("workers_*.json")} == {"workers_actor+ref.json", "workers_rollout.json"}
+    pools = {p.name for p in split.glob("workers_*.json")}
+    assert pools == {"workers_actor+ref.json", "workers_rollout.json"}
 
 
 # ---------------------------------------------------------------------------------------------- failures
@@ -405,7 +406,7 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
 
     from tearless.config import load_config
     from tearless.distributed.ray_group import Pool
-    from tearless.workers.rank import RankSpec
+    from tearless.workers.spec import RankSpec
 
     cfg = load_config(None, common(overrides, "unused"))
     spec = RankSpec(
@@ -428,7 +429,7 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
 def test_a_worker_that_does_not_answer_in_time_is_named_and_stopped(ray_session, task, overrides):
     from tearless.config import load_config
     from tearless.distributed.ray_group import Pool
-    from tearless.workers.rank import RankSpec
+    from tearless.workers.spec import RankSpec
 
     cfg = load_config(None, common(overrides, "unused"))
     spec = RankSpec(

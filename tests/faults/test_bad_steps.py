@@ -5,6 +5,7 @@ and a checkpoint whose weights no bad step touched."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from tearless.config import load_config
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers.rl import RLTrainer, TrainingStopped
 from tearless.trainers.tracking import read_metrics
-from tearless.workers.actor import make_optimizer, run_updates
-from tests.faults.chain import _equal
+from tearless.workers.actor import make_optimizer
+from tearless.workers.schedule import UpdateSettings, run_plan, scheduled_update
+from tests.faults.chain import _equal, optimizer_state
 
 
 def _batch(rows=4, length=3):
@@ -58,12 +60,24 @@ def test_a_non_finite_mini_batch_skips_its_step_and_leaves_the_optimizer_untouch
             ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
         )
     )
-    out, skipped = run_updates(
-        model, _batch(), micro_loss, optimizer=optimizer, scheduler=scheduler, params=params,
-        grad_clip=1.0, rows_per_mini=2, epochs=1, shuffle=False, generator=None, micro_size=None,
-        token_budget=None, prefix="actor", skipped=3,
-    )  # fmt: skip
-    assert skipped == 4 and out["actor/skipped_steps"] == 4.0 and out["actor/num_optimizer_steps"] == 2.0
+    unit = SimpleNamespace(
+        model=model, params=params, optimizer=optimizer, scheduler=scheduler, skipped_steps=3
+    )
+    s = UpdateSettings(
+        rows_per_mini=2,
+        epochs=1,
+        shuffle=False,
+        micro_size=None,
+        token_budget=None,
+        grad_clip=1.0,
+        prefix="actor",
+    )
+    out = scheduled_update(_batch(), s, 1, lambda work: [run_plan(unit, *work[0], s, micro_loss)])
+    assert (
+        unit.skipped_steps == 4
+        and out["actor/skipped_steps"] == 4.0
+        and out["actor/num_optimizer_steps"] == 2.0
+    )
     assert len(snapshots) == 1  # the clean mini-batch's step only
     weights, state = snapshots[0]
     assert all(model.state_dict()[k].equal(v) for k, v in weights.items())
@@ -89,7 +103,8 @@ def test_max_bad_steps_in_a_row_stop_the_run_with_a_clean_checkpoint(overrides, 
     )
     trainer = RLTrainer(cfg, log=lambda _: None)
     poisoned = {"on": False}
-    trainer.model.lm_head.weight.register_hook(lambda g: g * float("nan") if poisoned["on"] else g)
+    model = trainer.workers.rank.roles["actor"].model  # the single-process placement: one rank here
+    model.lm_head.weight.register_hook(lambda g: g * float("nan") if poisoned["on"] else g)
     original = trainer.train_step
 
     def train_step(step):
@@ -110,6 +125,6 @@ def test_max_bad_steps_in_a_row_stop_the_run_with_a_clean_checkpoint(overrides, 
     a = load_file(tmp_path / "global_step_2" / "actor" / "model.safetensors")
     b = load_file(tmp_path / "global_step_4" / "actor" / "model.safetensors")
     assert all(a[k].equal(b[k]) for k in a)
-    s2, s4 = ckpt.load_state(tmp_path / "global_step_2"), ckpt.load_state(tmp_path / "global_step_4")
-    assert _equal(s2["optimizer"]["state"], s4["optimizer"]["state"])
-    assert s4["bad_steps"] == 2 and s4["skipped_steps"] == 2
+    s4 = ckpt.load_state(tmp_path / "global_step_4")
+    assert _equal(optimizer_state(tmp_path / "global_step_2"), optimizer_state(tmp_path / "global_step_4"))
+    assert s4["bad_steps"] == 2 and s4["workers"]["actor"]["skipped_steps"] == 2

@@ -266,13 +266,14 @@ def test_samples_share_a_model_row_until_they_draw_different_tokens(setup):
     assert len({tuple(r) for r in ids.tolist()}) > len(prompts)  # and yet the samples do differ
 
 
-def test_draw_gives_each_output_row_an_independent_sample_of_its_model_rows_distribution():
-    from tearless.rollout.hf import _draw
+def test_each_output_row_draws_an_independent_sample_of_its_model_rows_distribution():
+    from tearless.rollout.seeds import inverse_cdf, mix, uniforms
 
     probs = torch.tensor([[0.5, 0.5, 0.0], [0.1, 0.2, 0.7]])
     owner = torch.tensor([1, 0, 1, 1, 0])
-    gen = torch.Generator().manual_seed(0)
-    draws = torch.stack([_draw(probs, owner, gen) for _ in range(4000)])  # (4000, 5)
+    # 4,000 draws of the 5 rows: sample r's t-th draw uses the uniform of (its key, t).
+    u = uniforms([mix(7, r) for r in range(5)], 4000)  # (5, 4000)
+    draws = torch.stack([inverse_cdf(probs, owner, u[:, t]) for t in range(4000)])  # (4000, 5)
     for row, model_row in enumerate(owner.tolist()):
         freq = torch.bincount(draws[:, row], minlength=3).float() / len(draws)
         torch.testing.assert_close(freq, probs[model_row], atol=0.03, rtol=0)
@@ -280,6 +281,31 @@ def test_draw_gives_each_output_row_an_independent_sample_of_its_model_rows_dist
     same = (draws[:, 0] == draws[:, 2]).float().mean().item()
     assert abs(same - 0.54) < 0.03
     assert (draws[:, 1] != 2).all() and (draws[:, 4] != 2).all()  # zero-probability tokens never drawn
+
+
+def test_inverse_cdf_by_hand():
+    from tearless.rollout.seeds import inverse_cdf
+
+    # CDF of [0.1, 0, 0.6, 0.3] is [0.1, 0.1, 0.7, 1.0]: u = 0.05 → token 0; 0.11 → token 2 (the
+    # zero-probability token 1 is never drawn); 0.69 → 2; 0.71 → 3; and u·Z rounding up to Z → the
+    # last token of non-zero probability (row 2's token 1).
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.2, 0.8, 0.0, 0.0]])
+    owner = torch.tensor([0, 0, 0, 0, 1])
+    u = torch.tensor([0.05, 0.11, 0.69, 0.71, 1.0])
+    assert inverse_cdf(probs, owner, u).tolist() == [0, 2, 2, 3, 1]
+
+
+def test_the_same_keys_draw_the_same_samples_in_any_batch(setup):
+    # Placement invariance: a prompt's samples depend on its key, not on its neighbours.
+    _, _, prompts, rollout = setup
+    keys = [11 * (i + 1) for i in range(len(prompts))]
+    together = rollout.generate(prompts, n=3, max_new_tokens=12, keys=keys)
+    for i, prompt in enumerate(prompts):
+        alone = rollout.generate([prompt], n=3, max_new_tokens=12, keys=[keys[i]])
+        rows = slice(3 * i, 3 * i + 3)
+        width = alone.response_ids.shape[1]
+        assert together.response_ids[rows, :width].tolist() == alone.response_ids.tolist()
+        assert not together.response_mask[rows, width:].any()
 
 
 def test_the_buffered_decode_cache_samples_exactly_what_the_stock_cache_samples(setup, monkeypatch):

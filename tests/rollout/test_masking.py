@@ -67,7 +67,7 @@ def actor_loss_and_logit_grad(model, td, agg: str) -> tuple[torch.Tensor, torch.
             "global_num_seqs": torch.tensor(2),
             "loss_scale_factor": float(mask.shape[1]),
         }
-        loss, _ = actor._micro_loss(td, norm, use_detached_old=False)
+        loss, _ = actor.micro_loss(td, norm, use_detached_old=False)
         model.zero_grad()
         loss.backward()
     finally:

@@ -4,11 +4,13 @@ benchmarks/search_r1.py: the warm-up that makes it learnable takes minutes.)"""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from tearless import train
+from tearless.tools import load_tools
 from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics
 
@@ -26,7 +28,7 @@ def test_search_r1_preset_trains_with_the_agent_loop(tmp_path):
             f"trainer.default_local_dir={tmp_path / 'run'}",
             "trainer.total_training_steps=2",
             "trainer.logger=[jsonl]",
-            "trainer.num_rollout_samples=4",
+            "trainer.num_rollout_samples=16",  # every response of a step
             "data.train_batch_size=4",
             "data.max_response_length=64",
             "actor_rollout_ref.rollout.n=4",
@@ -47,9 +49,16 @@ def test_search_r1_preset_trains_with_the_agent_loop(tmp_path):
         assert 1.0 <= r["multi_turn/num_turns/mean"] <= 4.0
         assert r["response_length/max"] <= 64
     calls = [c for rec in read_records(tmp_path / "run" / "rollouts.jsonl.gz") for c in rec["tool_calls"]]
-    # 30 warm-up steps already teach the protocol: some samples search, and get real passages back.
+    # 30 warm-up steps already teach the protocol: samples search (their queries are mostly not yet
+    # names in the corpus; that takes the full warm-up), and each gets what the search tool returns.
     assert calls and all(c["name"] == "search" and "query" in c["arguments"] for c in calls)
-    assert any(": born " in c["result"] for c in calls)
+    (tools_yaml,) = (tmp_path / "cache").rglob("tools.yaml")
+    search = load_tools(tools_yaml)["search"]
+    assert all(c["result"] == search.call(**c["arguments"]) for c in calls)
+    # and a query that names someone gets that person's passage back
+    first = json.loads((tools_yaml.parent / "corpus.jsonl").read_text().splitlines()[0])
+    passage = first.get("text") or first["contents"]
+    assert passage in search.call(query=passage.split(":")[0])
     searching = [rec for rec in read_records(tmp_path / "run" / "rollouts.jsonl.gz") if rec["tool_calls"]]
     assert all(
         "<information>" in rec["response"] for rec in searching

@@ -54,10 +54,10 @@ def test_mode_trains_with_the_common_metrics_and_no_collapse(overrides, tmp_path
 def test_actor_and_critic_get_the_response_cap_as_the_dr_grpo_normaliser(overrides, tmp_path):
     # data.max_response_length = 16 in the test config; the critic inherits the actor's S.
     cfg = load_config(None, overrides(tmp_path, "algorithm.adv_estimator=gae"), preset="dr_grpo")
-    trainer = RLTrainer(cfg, log=lambda _: None)
-    assert trainer.actor.loss_scale_factor == 16.0 and trainer.critic.s.loss_scale_factor == 16.0
+    roles = RLTrainer(cfg, log=lambda _: None).workers.rank.roles  # the single process: one rank here
+    assert roles["actor"].loss_scale_factor == 16.0 and roles["critic"].s.loss_scale_factor == 16.0
     cfg = load_config(
         None, overrides(tmp_path, f"{A}.loss_scale_factor=64", "critic.enable=true"), preset="dr_grpo"
     )
-    trainer = RLTrainer(cfg, log=lambda _: None)
-    assert trainer.actor.loss_scale_factor == 64.0 and trainer.critic.s.loss_scale_factor == 64.0
+    roles = RLTrainer(cfg, log=lambda _: None).workers.rank.roles
+    assert roles["actor"].loss_scale_factor == 64.0 and roles["critic"].s.loss_scale_factor == 64.0

@@ -88,8 +88,8 @@ def test_resume_is_refused_into_another_run_and_without_leave_to_change_the_opti
     )
     trainer = RLTrainer(cfg, log=lambda _: None)
     assert trainer.start_step == 1
-    assert [g["lr"] for g in trainer.actor.optimizer.param_groups] == [0.0002]
-    assert trainer.actor.scheduler.base_lrs == [0.0002]
+    assert [g["lr"] for g in trainer.workers.rank.roles["actor"].optimizer.param_groups] == [0.0002]
+    assert trainer.workers.rank.roles["actor"].scheduler.base_lrs == [0.0002]
     trainer.fit()
     saved = json.loads((run / "config.json").read_text())
     assert saved["actor_rollout_ref"]["actor"]["optim"]["lr"] == 0.0002

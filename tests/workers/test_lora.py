@@ -11,7 +11,8 @@ import torch
 
 from tearless.config.schema import ActorConfig
 from tearless.models.loading import load_causal_lm
-from tearless.models.lora import MergedLoraView, add_lora, trainable_parameters
+from tearless.models.lora import add_lora, trainable_parameters
+from tearless.models.weights import save_model
 from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker
 from tests.tolerances import kl_of_equal_policies, logprob_tol
 from tests.workers.test_actor import build_batch
@@ -86,12 +87,10 @@ def test_an_update_changes_only_the_adapters(base_and_batch):
     assert len(changed) == len(adapters)
 
 
-def test_the_merged_model_loads_alone_and_equals_the_adapted_model(base_and_batch, task, tmp_path):
-    from tearless.models.loading import load_tokenizer
-
+def test_the_merged_model_loads_alone_and_equals_the_adapted_model(base_and_batch, tmp_path):
     base, td = base_and_batch
     model = lora_copy(base)
-    MergedLoraView(model, load_tokenizer(task.model_dir)).save_pretrained(tmp_path / "merged")
+    save_model(model, tmp_path / "merged", write=True, merged=True)
     merged = load_causal_lm(tmp_path / "merged")
     assert not any("lora" in n for n, _ in merged.named_parameters())
     want, _ = LogProbWorker(model, temperature=1.0).compute_log_prob(td)

@@ -1,0 +1,178 @@
+"""What a rank builds: its models (plain, or sharded from rank 0's copy) and its rollout side.
+
+:class:`ModelBuilder` loads a role's model at world size 1 as transformers does, and at world size > 1
+reads the weights on rank 0 only and broadcasts them into every rank's FSDP2 shards
+(:func:`tearless.distributed.fsdp.shard_from_rank0`), the other ranks building the architecture on
+the meta device. Sharded trained weights are float32 masters; on GPU forward and backward run in
+``fsdp_config.param_dtype``. :func:`build_rollout` makes a generating rank's engine, reward manager
+and agent loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tearless.config import Config
+from tearless.models.loading import load_causal_lm, resolve_dtype
+from tearless.models.value import load_value_model
+from tearless.workers.spec import RankSpec
+
+
+def rollout_dtype(cfg: Config, device: str) -> str:
+    """The dtype a separate rollout engine holds the policy in: ``rollout.dtype``, or bfloat16 on GPU
+    and float32 on CPU."""
+    name = cfg.actor_rollout_ref.rollout.dtype
+    return name if name else ("bfloat16" if device == "cuda" else "float32")
+
+
+class ModelBuilder:
+    """Builds the models of rank ``rank`` of ``world`` (``mesh`` the ranks' device mesh, or None)."""
+
+    def __init__(self, spec: RankSpec, rank: int, world: int, mesh: Any, device: torch.device) -> None:
+        self.spec, self.rank, self.world, self.mesh, self.device = spec, rank, world, mesh, device
+
+    def fsdp(self, role: str):
+        """The FSDP settings of ``role``'s model."""
+        cfg = self.spec.cfg
+        if role == "critic":
+            return cfg.critic.model.fsdp_config
+        return getattr(cfg.actor_rollout_ref, role).fsdp_config
+
+    def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
+        """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0."""
+        if self.world == 1:
+            return build(True).to(self.device)
+        from tearless.distributed.fsdp import shard_from_rank0
+
+        fsdp, cuda = self.fsdp(role), self.device.type == "cuda"
+        model = shard_from_rank0(
+            build,
+            self.mesh,
+            rank=self.rank,
+            device="cpu" if fsdp.param_offload and cuda else self.device,
+            param_offload=fsdp.param_offload and cuda,
+            param_dtype=resolve_dtype(fsdp.param_dtype) if cuda else None,
+            reshard_after_forward=fsdp.reshard_after_forward,
+        )
+        if cuda:
+            model.tearless_compute_device = self.device
+        return model
+
+    def master_dtype(self, trained: bool) -> str:
+        """Sharded trained weights stay float32 (FSDP's mixed precision computes in param_dtype);
+        a single process keeps ``model.dtype``."""
+        return "float32" if trained and self.world > 1 else self.spec.cfg.actor_rollout_ref.model.dtype
+
+    def causal_lm(self, role: str, *, trained: bool) -> torch.nn.Module:
+        """``role``'s causal LM: the checkpoint's (resume) or the base weights, with LoRA adapters for
+        a LoRA actor (new, or the checkpoint's), frozen unless ``trained``."""
+        m, spec = self.spec.cfg.actor_rollout_ref.model, self.spec
+        dtype = self.master_dtype(trained)
+        checkpointing = m.enable_gradient_checkpointing and trained
+        resume = Path(spec.resume_dir) / "actor" if spec.resume_dir and role == "actor" else None
+        lora = m.lora_rank > 0 and role == "actor"
+
+        def build(real: bool) -> torch.nn.Module:
+            path = resume if resume is not None and not lora else spec.model_path
+            model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
+            if not trained:
+                model.requires_grad_(False)
+            if not lora:
+                return model
+            from tearless.models.lora import add_lora, load_lora
+
+            if resume is not None and real:
+                return load_lora(model, resume, gradient_checkpointing=checkpointing)
+            if not real:
+                torch.manual_seed(0)  # the skeleton's init is discarded; keep it cheap and fixed
+            kw = dict(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules)
+            return add_lora(model, gradient_checkpointing=checkpointing, **kw)
+
+        return self.shard(build, role)
+
+    def value_model(self) -> torch.nn.Module:
+        """The critic's value model: the checkpoint's, ``critic.model.path``'s or the actor's weights."""
+        cfg, spec = self.spec.cfg, self.spec
+        path = (
+            Path(spec.resume_dir) / "critic"
+            if spec.resume_dir
+            else (cfg.critic.model.path or spec.model_path)
+        )
+
+        def build(real: bool) -> torch.nn.Module:
+            return load_value_model(
+                path,
+                dtype=self.master_dtype(True),
+                gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
+                meta=not real,
+            )
+
+        return self.shard(build, "critic")
+
+
+def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained: torch.nn.Module | None):
+    """A generating rank's engine, reward manager and agent loop (multi-turn, else None).
+
+    The built-in engine samples from ``trained`` (the rank's own actor, hybrid placement) or, on a
+    separate rollout rank, from a plain copy in ``rollout.dtype`` that the first weight broadcast
+    fills; a vLLM engine always holds its own copy.
+    """
+    cfg = spec.cfg
+    arr = cfg.actor_rollout_ref
+    eos = {tokenizer.eos_token_id}
+    from transformers import GenerationConfig
+
+    try:
+        gen_eos = GenerationConfig.from_pretrained(spec.model_path).eos_token_id
+    except OSError:
+        gen_eos = None
+    eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    if arr.rollout.name == "vllm":
+        from tearless.rollout.vllm import VLLMRollout
+
+        engine = VLLMRollout(
+            spec.model_path,
+            arr.rollout,
+            dtype=rollout_dtype(cfg, spec.device),
+            eos_token_ids=sorted(eos),
+            pad_token_id=tokenizer.pad_token_id,
+            seed=cfg.trainer.seed,
+        )
+    else:
+        from tearless.rollout.hf import HFRollout
+
+        model = trained
+        if model is None:
+            model = load_causal_lm(spec.model_path, dtype=rollout_dtype(cfg, spec.device)).to(device)
+            model.requires_grad_(False)
+        engine = HFRollout(model, eos_token_ids=sorted(eos), pad_token_id=tokenizer.pad_token_id)
+    from tearless.rewards import load_reward_function, make_reward_manager
+
+    crf = cfg.custom_reward_function
+    reward_fn = spec.reward_fn
+    if reward_fn is None and crf.path:
+        reward_fn = load_reward_function(crf.path, crf.name)
+    reward = make_reward_manager(
+        cfg.reward_model,
+        reward_fn,
+        dict(crf.reward_kwargs),
+        max_response_length=arr.rollout.response_length or cfg.data.max_response_length,
+        device=str(device),
+    )
+    agent = None
+    mt = arr.rollout.multi_turn
+    if mt.enable:
+        from tearless.rollout.agent import AgentLoop, AgentSettings
+        from tearless.tools import load_tools
+
+        agent = AgentLoop(
+            engine,
+            tokenizer,
+            load_tools(mt.tool_config_path or spec.tool_config),
+            AgentSettings.from_config(mt),
+        )
+    return engine, reward, agent
