@@ -18,6 +18,7 @@ ESTIMATORS = (
     "remax",
     "opo",
     "grpo_passk",
+    "grpo_process",
 )
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 

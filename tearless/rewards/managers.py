@@ -105,11 +105,7 @@ class BatchRewardManager(_Manager):
             raise ValueError(
                 f"the batch reward function returned {len(values)} scores for {len(items)} samples"
             )
-        outcomes = [check_value(v) for v in values]
-        return [
-            ScoreResult(o[1], o[2]) if o[0] == "ok" else ScoreResult(self.failure_score, {}, o[1])
-            for o in outcomes
-        ]
+        return [ScoreResult.from_outcome(check_value(v), self.failure_score) for v in values]
 
 
 class OverlongPenaltyManager(_Manager):
@@ -152,7 +148,7 @@ class OverlongPenaltyManager(_Manager):
             extra = {**result.extra, "acc": result.extra.get("acc", float(result.score >= 1.0))}
             if self.log:
                 extra.update(overlong_reward=penalty, overlong=float(penalty < 0))
-            shaped.append(ScoreResult(result.score + penalty, extra, result.error))
+            shaped.append(ScoreResult(result.score + penalty, extra, result.error, result.steps))
         return shaped
 
     @property
@@ -185,7 +181,7 @@ class ModelRewardManager(_Manager):
                 results.append(ScoreResult(value, {"rm_score": value}))
                 continue
             extra = {**rule.extra, "rm_score": value, "rule_score": rule.score}
-            results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error))
+            results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error, rule.steps))
         return results
 
     @property

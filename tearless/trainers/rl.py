@@ -33,6 +33,7 @@ from tearless.distributed import uses_ray
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.value import load_value_model
 from tearless.rewards import load_reward_function, make_reward_manager
+from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
@@ -443,6 +444,8 @@ class RLTrainer:
         ]
         lost_before = self.reward.lost_workers
         results = self.reward.score(requests)
+        for it, r in zip(items, results, strict=True):
+            it["reward_steps"] = r.steps  # step scores, if the scorer gave any (tearless.rewards.steps)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         correct = torch.tensor(
             [bool(r.extra["acc"]) if "acc" in r.extra else r.score >= 1.0 for r in results]
@@ -542,9 +545,14 @@ class RLTrainer:
         with timer("step"):
             items, out, uids, scores, correct, metrics, texts, extras = self.collect(step, timer)
             mask = out.response_mask
-            last = score_positions(mask)
-            token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-            token_scores[torch.arange(len(items)), last] = scores
+            token_scores, step_mask = rollout_token_rewards(
+                scores,
+                [it["reward_steps"] for it in items],
+                texts,
+                out,
+                self.tokenizer,
+                cfg.reward_model.step_reward,
+            )
             td = TensorDict(
                 {
                     "prompt_ids": out.prompt_ids,
@@ -604,6 +612,7 @@ class RLTrainer:
                     norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
                     reward_baselines=baselines,
                     values=td.get("values", None),
+                    step_mask=step_mask,
                 )
                 td["advantages"], td["returns"] = advantages, returns
             faults.point("update", step)
