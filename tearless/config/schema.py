@@ -330,7 +330,9 @@ class ProcessRewardModelConfig:
     )
     good_token: str = doc("+", "causal_lm: the token meaning a good step")
     bad_token: str = doc("-", "causal_lm: the token meaning a bad step")
-    step_tag: str = doc("\n", "causal_lm: the text placed after every step, where the PRM is read")
+    step_tag: str = doc(
+        "ки", "causal_lm: the text written after every step, where the PRM is read (Math-Shepherd's)"
+    )
 
 
 @dataclass
@@ -338,9 +340,9 @@ class StepRewardConfig:
     separator: str = doc(
         "\n",
         "what cuts a response into steps when a scorer returns step_scores without step_ends "
-        "(a literal string, e.g. \"\\n\\n\", or a regular expression with separator_regex)",
+        '(a literal string, e.g. "\\n\\n", or a regular expression with separator_regex)',
     )
-    separator_regex: bool = doc(False, "read separator as a regular expression (e.g. \"Step \\d+:\")")
+    separator_regex: bool = doc(False, 'read separator as a regular expression (e.g. "Step \\d+:")')
     outcome_weight: float = doc(
         1.0, "weight of the outcome score, put on the last response token (0 = step scores only)"
     )
@@ -446,7 +448,9 @@ class TrainerConfig:
 class TaskConfig:
     name: str = doc(
         "arithmetic",
-        "embedded task used when data/model paths are null: arithmetic | multihop (QA with a search tool)",
+        "embedded task used when data/model paths are null: arithmetic | multihop (QA with a search "
+        "tool) | chain_addition (three numbers summed one checkable step per line; needs "
+        "data.max_response_length >= 24)",
     )
     cache_dir: str | None = doc(
         None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"

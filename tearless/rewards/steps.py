@@ -155,12 +155,28 @@ def token_level_rewards(
     return rewards, step_mask
 
 
+def step_fields(steps: tuple[Sequence[float], Sequence[int] | None] | None) -> dict[str, list]:
+    """A scored response's steps as fields of its reward components (``step_scores`` and, when the
+    scorer gave them, ``step_ends``), which the trainer carries with each sample; {} without steps."""
+    if steps is None:
+        return {}
+    scores, ends = steps
+    return {"step_scores": list(scores), **({"step_ends": list(ends)} if ends is not None else {})}
+
+
 def rollout_token_rewards(
-    scores: torch.Tensor, steps: Sequence, texts: Sequence[str], out: Any, tokenizer: Any, settings: Any
+    scores: torch.Tensor,
+    components: Sequence[dict],
+    texts: Sequence[str],
+    out: Any,
+    tokenizer: Any,
+    settings: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The RL trainer's hook: :func:`token_level_rewards` of a rollout ``out`` (its ``response_ids``,
     ``response_attention_mask`` and ``response_mask``), decoded as the trainer decodes responses for
-    scoring, with the ``reward_model.step_reward`` config section ``settings``."""
+    scoring, with the steps found in each sample's reward ``components`` (:func:`step_fields`) and the
+    ``reward_model.step_reward`` config section ``settings``."""
+    steps = [(c["step_scores"], c.get("step_ends")) if "step_scores" in c else None for c in components]
     return token_level_rewards(
         scores.tolist(),
         steps,

@@ -33,7 +33,7 @@ from tearless.distributed import uses_ray
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.models.value import load_value_model
 from tearless.rewards import load_reward_function, make_reward_manager
-from tearless.rewards.steps import rollout_token_rewards
+from tearless.rewards.steps import rollout_token_rewards, step_fields
 from tearless.rollout.correction import rollout_correction
 from tearless.rollout.hf import HFRollout, RolloutOutput, concat_rollouts, select_rows
 from tearless.trainers import checkpoint as ckpt
@@ -444,8 +444,6 @@ class RLTrainer:
         ]
         lost_before = self.reward.lost_workers
         results = self.reward.score(requests)
-        for it, r in zip(items, results, strict=True):
-            it["reward_steps"] = r.steps  # step scores, if the scorer gave any (tearless.rewards.steps)
         scores = torch.tensor([r.score for r in results], dtype=torch.float32)
         correct = torch.tensor(
             [bool(r.extra["acc"]) if "acc" in r.extra else r.score >= 1.0 for r in results]
@@ -458,7 +456,9 @@ class RLTrainer:
         metrics["reward/failures"] = float(sum(r.error is not None for r in results))
         # Reward processes that died mid-sample (their samples were scored again by a fresh one).
         metrics["reward/lost_workers"] = float(self.reward.lost_workers - lost_before)
-        return scores, correct, metrics, texts, [{k: float(v) for k, v in r.extra.items()} for r in results]
+        # Each response's components, and its step scores if the scorer gave any (tearless.rewards.steps).
+        components = [{**{k: float(v) for k, v in r.extra.items()}, **step_fields(r.steps)} for r in results]
+        return scores, correct, metrics, texts, components
 
     def _next_prompts(self) -> list[dict]:
         epoch, i = divmod(self.batches_consumed, self.loader.num_batches)
@@ -547,7 +547,7 @@ class RLTrainer:
             mask = out.response_mask
             token_scores, step_mask = rollout_token_rewards(
                 scores,
-                [it["reward_steps"] for it in items],
+                extras,
                 texts,
                 out,
                 self.tokenizer,
