@@ -29,7 +29,7 @@ import time
 
 import torch
 
-WARMUP_STEPS = 800
+from tearless.tasks.chain_addition import WARMUP_STEPS
 
 
 @torch.no_grad()

@@ -502,9 +502,16 @@ def _validate_lora(cfg: Config) -> None:
 def _validate_step_reward(cfg: Config) -> None:
     """The chain_addition task's answers need room; step rewards need a separator and weights (the PRM
     path is checked with the other reward_model keys, in reward_config_problems)."""
-    from tearless.tasks.chain_addition import RESPONSE_TOKENS
+    from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
 
     embedded = cfg.data.train_files is None
+    if embedded and cfg.task.name == "chain_addition" and cfg.task.warmup_steps < WARMUP_STEPS:
+        _fail(
+            "task.warmup_steps",
+            f"{cfg.task.warmup_steps} steps leave the chain_addition model unable to add (measured: 300 "
+            "steps gave 0.03 greedy accuracy; 800 give 0.27)",
+            f"Set task.warmup_steps={WARMUP_STEPS} or more.",
+        )
     length = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
     if embedded and cfg.task.name == "chain_addition" and length < RESPONSE_TOKENS:
         _fail(

@@ -40,6 +40,9 @@ SEPARATOR = "\n"
 # The longest worked answer, "99+99=198\n198+99=297", is 20 characters; one token each
 # with the char tokenizer, plus the end-of-turn token.
 RESPONSE_TOKENS = 24
+# Supervised warm-up steps the task needs (measured with 4 numbers: 300 steps gave 0.03 greedy
+# accuracy; with 3 numbers, 800 steps give 0.27 and a step validity of 0.58).
+WARMUP_STEPS = 800
 _LINE = re.compile(r"^\s*(\d+)\+(\d+)=(\d+)\s*$")
 _FINAL = re.compile(r"=\s*(\d+)\s*$")
 

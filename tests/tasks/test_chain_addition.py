@@ -86,7 +86,16 @@ def test_build_writes_rows_a_model_and_a_round_tripping_tokenizer(tmp_path):
 def test_config_asks_for_room_for_the_worked_answers():
     from tearless.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"data\.max_response_length: 16 tokens cut off the chain_addition"):
+    with pytest.raises(ConfigError, match=r"task\.warmup_steps: 300 steps leave the chain_addition model"):
         load_config(None, ["task.name=chain_addition"])
-    cfg = load_config(None, ["task.name=chain_addition", f"data.max_response_length={ca.RESPONSE_TOKENS}"])
+    with pytest.raises(ConfigError, match=r"data\.max_response_length: 16 tokens cut off the chain_addition"):
+        load_config(None, ["task.name=chain_addition", "task.warmup_steps=800"])
+    cfg = load_config(
+        None,
+        [
+            "task.name=chain_addition",
+            "task.warmup_steps=800",
+            f"data.max_response_length={ca.RESPONSE_TOKENS}",
+        ],
+    )
     assert cfg.task.name == "chain_addition"
