@@ -13,7 +13,7 @@ kind (TRL's ``DPOTrainer`` semantics, ``trl/trainer/dpo_trainer.py``):
 
 f is the identity for DPO's reverse KL (the default ``f_divergence``), or the f-DPO transform of
 another divergence (:data:`F_DIVERGENCES`). ε is ``label_smoothing``, only for the kinds that take it
-(robust, exo_pair, aot, aot_unpaired, cdpo, and the reference-free cpo/simpo): TRL ≥ 0.20 ignores it
+(robust, exo_pair, aot, aot_unpaired, cdpo, and the reference-free cpo/simpo): TRL ≥ 0.29 ignores it
 for ``sigmoid``; here a nonzero value there is an error that names ``robust`` and ``cdpo``. Each
 kind's docstring gives its per-pair loss; :func:`dpo_loss` returns their mean. The reference-free
 kinds (``cpo``, ``simpo``, ``orpo``) live in :mod:`tearless.algos.preference` and register here too.
@@ -85,7 +85,7 @@ def dpo_sigmoid(h: Tensor, beta: float) -> Tensor:
 
 @register_dpo_loss("cdpo")
 def dpo_conservative(h: Tensor, beta: float, label_smoothing: float = 0.0) -> Tensor:
-    r"""Conservative DPO (Mitchell 2023), TRL ≤ 0.19's ``sigmoid`` with label smoothing (not in TRL's
+    r"""Conservative DPO (Mitchell 2023), TRL ≤ 0.28's ``sigmoid`` with label smoothing (not in TRL's
     current list): :math:`-(1-\epsilon)\log\sigma(\beta h) - \epsilon\log\sigma(-\beta h)`."""
     return _smoothed(beta * h, label_smoothing)
 
@@ -278,8 +278,8 @@ def dpo_loss(
             k for k, f in DPO_LOSSES.items() if "label_smoothing" in inspect.signature(f).parameters
         )
         hint = (
-            " (TRL >= 0.20 ignores it for sigmoid: use kind 'robust' for robust DPO or 'cdpo' for "
-            "conservative DPO, TRL <= 0.19's sigmoid with label smoothing)"
+            " (TRL >= 0.29 ignores it for sigmoid: use kind 'robust' for robust DPO or 'cdpo' for "
+            "conservative DPO, TRL <= 0.28's sigmoid with label smoothing)"
             if kind == "sigmoid"
             else ""
         )

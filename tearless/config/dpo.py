@@ -73,7 +73,7 @@ LOSS_TYPE_DOC = (
     "the loss (formulas in tearless.algos.dpo / .preference). Pairs, TRL's DPO loss types: sigmoid "
     "(DPO) | hinge (SLiC) | ipo (per-token, as TRL) | exo_pair | nca_pair | robust (rDPO) | bco_pair | "
     "sppo_hard | aot | aot_unpaired | apo_zero | apo_down | discopop | sft | sigmoid_norm; tearless "
-    "extras: cdpo (conservative DPO, TRL <= 0.19's sigmoid + label_smoothing) | ipo_sum (IPO on summed "
+    "extras: cdpo (conservative DPO, TRL <= 0.28's sigmoid + label_smoothing) | ipo_sum (IPO on summed "
     "log-ratios); reference-free: cpo | simpo | orpo. Unpaired: kto | apo_zero_unpaired"
 )
 
@@ -91,7 +91,7 @@ class DPOAlgorithmConfig:
     label_smoothing: float = doc(
         0.0,
         "ε in [0, 0.5): the share of labels assumed flipped, for robust, cdpo, aot, aot_unpaired, cpo, "
-        "simpo, and EXO's ε for exo_pair (needs > 0; the paper: 1e-3). TRL >= 0.20 ignores it for "
+        "simpo, and EXO's ε for exo_pair (needs > 0; the paper: 1e-3). TRL >= 0.29 ignores it for "
         "sigmoid; here a nonzero value with any other loss type is an error",
     )
     reference_free: bool = doc(
@@ -194,8 +194,8 @@ def validate_algorithm(alg: DPOAlgorithmConfig, data: DPODataConfig, model: DPOM
     takes = sorted(k for k, f in DPO_LOSSES.items() if "label_smoothing" in inspect.signature(f).parameters)
     if alg.label_smoothing and kind not in takes:
         fix = (
-            "TRL >= 0.20 ignores it for sigmoid: use algorithm.loss_type=robust (robust DPO) or cdpo "
-            "(conservative DPO, TRL <= 0.19's sigmoid with label smoothing)."
+            "TRL >= 0.29 ignores it for sigmoid: use algorithm.loss_type=robust (robust DPO) or cdpo "
+            "(conservative DPO, TRL <= 0.28's sigmoid with label smoothing)."
             if kind == "sigmoid"
             else f"Set it to 0 or use a loss type that takes it: {', '.join(takes)}."
         )

@@ -189,7 +189,7 @@ def test_errors():
         dpo_loss(*PAIR, kind="kto")
     with pytest.raises(ValueError, match="not defined for DPO loss kind 'ipo'; kinds that take it: aot,"):
         dpo_loss(*PAIR, kind="ipo", label_smoothing=0.1, **LENGTHS)
-    # Issue 20, item 5: TRL >= 0.20 silently ignores label smoothing for sigmoid; here it is an error.
+    # Issue 20, item 5: TRL >= 0.29 silently ignores label smoothing for sigmoid; here it is an error.
     with pytest.raises(ValueError, match="use kind 'robust' for robust DPO or 'cdpo' for conservative DPO"):
         dpo_loss(*PAIR, kind="sigmoid", label_smoothing=0.1)
     with pytest.raises(ValueError, match="'ipo' averages log-probs per response token: pass chosen_lengths"):

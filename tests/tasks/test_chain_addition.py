@@ -99,3 +99,30 @@ def test_config_asks_for_room_for_the_worked_answers():
         ],
     )
     assert cfg.task.name == "chain_addition"
+
+
+def test_the_tiny_prm_is_trained_cached_and_read_by_the_scorer(tmp_path):
+    from tearless.rewards.prm import ProcessRewardScorer
+    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.step_prm import prepare_prm
+
+    spec = TaskSpec(
+        name="chain_addition", num_train=24, num_val=8, warmup_steps=3, hidden_size=32, num_layers=1
+    )
+    files = prepare_task(spec, tmp_path, log=lambda _: None)
+    logs: list[str] = []
+    prm = prepare_prm(spec, files, tmp_path, samples_per_prompt=2, steps=3, log=logs.append)
+    assert any("training the chain_addition task's process reward model" in line for line in logs)
+    info = prm.info
+    assert info["train_answers"] <= 48 and info["settings"]["steps"] == 3
+    for key in ("held_out_step_accuracy", "held_out_bad_step_recall", "held_out_valid_share"):
+        assert 0.0 <= info[key] <= 1.0
+    logs.clear()
+    assert prepare_prm(spec, files, tmp_path, samples_per_prompt=2, steps=3, log=logs.append) == prm
+    assert logs == []  # cached
+    scores, ends = ProcessRewardScorer(prm.model_dir).score(
+        [[{"role": "user", "content": "23+58+17="}]], ["23+58=81\n81+17=98"]
+    )[0]
+    assert ends == (8, 17) and all(0.0 < p < 1.0 for p in scores)
+    with pytest.raises(ValueError, match=r"made for task\.name=chain_addition, not 'arithmetic'"):
+        prepare_prm(TaskSpec(), files, tmp_path)

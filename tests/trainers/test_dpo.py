@@ -289,7 +289,7 @@ def test_cli_config_errors(capsys):
         "algorithm.label_smoothing: is not defined for loss_type=ipo. Set it to 0 or use a loss type" in err
     )
     assert main(["dpo", "algorithm.label_smoothing=0.1"]) == 2
-    assert "TRL >= 0.20 ignores it for sigmoid: use algorithm.loss_type=robust" in capsys.readouterr().err
+    assert "TRL >= 0.29 ignores it for sigmoid: use algorithm.loss_type=robust" in capsys.readouterr().err
     assert main(["dpo", "algorithm.loss_type=aot", "data.micro_batch_size_per_gpu=4"]) == 2
     assert "aot sorts the margins of the whole step" in capsys.readouterr().err
     assert main(["dpo", "algorithm.loss_type=orpo", "model.ref_path=/x"]) == 2
