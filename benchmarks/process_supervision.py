@@ -7,13 +7,16 @@ responses (a fresh `tearless train` process each):
 - process: `algorithm.adv_estimator=grpo_process` (DeepSeekMath's process supervision) on the
   verifier's step scores only (`outcome_weight=0`);
 - process-prm (with `--prm`): the same, with the task's tiny trained PRM scoring the steps instead of
-  the verifier (its probabilities, not 0/1 labels).
+  the verifier (its probabilities, not 0/1 labels);
+- process-implicit (with `--implicit`): the same, with an implicit PRM (PRIME): the warm-up model
+  trained on outcome labels only (`implicit_prm`), its log-ratio to the warm-up model summed per step.
 
 Afterwards the final checkpoint answers the 200 held-out prompts greedily; recorded: accuracy (the
 last line's sum is right) and step validity (share of the expected steps that are present and valid,
 each judged on its own), next to the warm-up model's.
 
-    OMP_NUM_THREADS=1 python benchmarks/process_supervision.py --seeds 1 2 --steps 100 --prm
+    OMP_NUM_THREADS=1 python benchmarks/process_supervision.py --seeds 1 2 --steps 100 --prm --implicit
+    (--only process-implicit runs one mode)
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--prm", action="store_true", help="also train with the task's tiny PRM")
+    ap.add_argument("--implicit", action="store_true", help="also train with an implicit PRM (PRIME)")
+    ap.add_argument("--only", nargs="*", help="modes to run (default: all selected)")
     ap.add_argument("--cache", help="task cache directory (default: $TEARLESS_CACHE or ~/.cache/tearless)")
     args = ap.parse_args()
     spec = TaskSpec(name="chain_addition", warmup_steps=WARMUP_STEPS)
@@ -94,6 +99,21 @@ def main() -> None:
             "reward_model.step_reward.prm.enable=true",
             f"reward_model.step_reward.prm.path={prm.model_dir}",
         ]
+    if args.implicit:
+        from tearless.tasks.step_prm import prepare_implicit_prm
+
+        implicit = prepare_implicit_prm(spec, files, args.cache)
+        report["implicit_prm"] = implicit.info
+        modes["process-implicit"] = [
+            *modes["process"],
+            "reward_model.step_reward.prm.enable=true",
+            "reward_model.step_reward.prm.kind=implicit",
+            f"reward_model.step_reward.prm.path={implicit.model_dir}",
+            f"reward_model.step_reward.prm.ref_path={files.model_dir}",
+            f"reward_model.step_reward.prm.beta={implicit.info['settings']['beta']}",
+        ]
+    if args.only:
+        modes = {name: extra for name, extra in modes.items() if name in args.only}
     print(f"warm-up model: {report['warmup_model']}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     if args.cache:

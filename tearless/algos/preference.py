@@ -114,6 +114,20 @@ def apo_zero_unpaired(logratios: Tensor, desirable: Tensor, beta: float) -> Tens
     return torch.where(desirable, 1.0 - torch.sigmoid(beta * logratios), torch.sigmoid(beta * logratios))
 
 
+@register_kto_loss("implicit_prm")
+def implicit_prm(logratios: Tensor, desirable: Tensor, beta: float) -> Tensor:
+    r"""PRIME's implicit PRM objective (Cui et al. 2025; Yuan et al. 2024, "Free process rewards
+    without process labels"): cross-entropy of the outcome label against :math:`\sigma(\beta\ell)`,
+
+    .. math:: -\log\sigma(\beta\ell) \text{ if desirable}, \qquad -\log\sigma(-\beta\ell) \text{ if not}
+
+    A model so trained on outcome labels alone gives every token the process reward
+    :math:`\beta\log\pi_\phi(y_t|y_{<t})/\pi_{ref}(y_t|y_{<t})` (read by
+    :class:`tearless.rewards.prm.ProcessRewardScorer` with ``kind="implicit"``). Not a TRL loss type.
+    """
+    return -F.logsigmoid(torch.where(desirable, beta * logratios, -beta * logratios))
+
+
 def kto_reference_point(policy_kl_logps: Tensor, ref_kl_logps: Tensor) -> Tensor:
     r"""KTO's z: :math:`\max(0, \operatorname{mean}_j(\log\pi(y'_j|x_j) - \log\pi_{ref}(y'_j|x_j)))`
     over mismatched (prompt, response) pairs, detached (no gradient flows through the reference point)."""

@@ -74,7 +74,8 @@ LOSS_TYPE_DOC = (
     "(DPO) | hinge (SLiC) | ipo (per-token, as TRL) | exo_pair | nca_pair | robust (rDPO) | bco_pair | "
     "sppo_hard | aot | aot_unpaired | apo_zero | apo_down | discopop | sft | sigmoid_norm; tearless "
     "extras: cdpo (conservative DPO, TRL <= 0.28's sigmoid + label_smoothing) | ipo_sum (IPO on summed "
-    "log-ratios); reference-free: cpo | simpo | orpo. Unpaired: kto | apo_zero_unpaired"
+    "log-ratios); reference-free: cpo | simpo | orpo. Unpaired: kto | apo_zero_unpaired | implicit_prm "
+    "(PRIME's outcome-label cross-entropy, which trains an implicit process reward model)"
 )
 
 

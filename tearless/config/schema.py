@@ -326,10 +326,14 @@ class ProcessRewardModelConfig:
     kind: str = doc(
         "token_classification",
         "token_classification (P(label 1) at each step's last token, TRL's PRM format) | causal_lm "
-        "(P(good_token) against P(bad_token) after step_tag, Math-Shepherd's format)",
+        "(P(good_token) against P(bad_token) after step_tag, Math-Shepherd's format) | implicit "
+        "(PRIME: β·log π/π_ref summed over each step's tokens, π trained on outcome labels with "
+        "tearless dpo algorithm.loss_type=implicit_prm)",
     )
     good_token: str = doc("+", "causal_lm: the token meaning a good step")
     bad_token: str = doc("-", "causal_lm: the token meaning a bad step")
+    ref_path: str | None = doc(None, "implicit: the reference model the implicit PRM was trained against")
+    beta: float = doc(0.05, "implicit: β of the token rewards β·log π/π_ref (PRIME: 0.05)")
     step_tag: str = doc(
         "ки", "causal_lm: the text written after every step, where the PRM is read (Math-Shepherd's)"
     )

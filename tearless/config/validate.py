@@ -542,4 +542,6 @@ def _validate_step_reward(cfg: Config) -> None:
             "and outcome_weight are both 0, so every reward is 0",
             "Give one of them a nonzero weight.",
         )
-    _one_of("reward_model.step_reward.prm.kind", sr.prm.kind, ("token_classification", "causal_lm"))
+    _one_of(
+        "reward_model.step_reward.prm.kind", sr.prm.kind, ("token_classification", "causal_lm", "implicit")
+    )

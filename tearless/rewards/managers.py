@@ -264,6 +264,15 @@ def reward_config_problems(reward_model: Any, max_response_length: int) -> list[
              "Point it at a local PRM directory (python -m tearless.tasks.step_prm builds the embedded "
              "chain_addition task's and prints its path).")
         )  # fmt: skip
+    if (
+        rm.step_reward.prm.enable
+        and rm.step_reward.prm.kind == "implicit"
+        and not rm.step_reward.prm.ref_path
+    ):
+        problems.append(
+            ("reward_model.step_reward.prm.ref_path", "prm.kind=implicit needs the reference model",
+             "Point it at the model the implicit PRM was trained against (its starting point).")
+        )  # fmt: skip
     if not rm.enable and rm.rule_weight != 0.0:
         problems.append(
             ("reward_model.rule_weight", "only applies with reward_model.enable=true",
@@ -326,6 +335,8 @@ def make_reward_manager(
             good_token=sr.prm.good_token,
             bad_token=sr.prm.bad_token,
             step_tag=sr.prm.step_tag,
+            ref_path=sr.prm.ref_path,
+            beta=sr.prm.beta,
             micro_batch_size=rm.micro_batch_size_per_gpu,
             max_length=rm.max_length,
             device=device,

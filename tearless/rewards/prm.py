@@ -1,6 +1,6 @@
 r"""Process reward model (PRM) scoring: a Hugging Face model scores every reasoning step of a response.
 
-Two kinds, chosen by ``reward_model.step_reward.prm.kind``:
+Three kinds, chosen by ``reward_model.step_reward.prm.kind``:
 
 - ``token_classification`` (TRL's PRM format, what its ``PRMTrainer`` trains): an
   ``AutoModelForTokenClassification`` read at the last token of each step; with two labels the step
@@ -8,6 +8,11 @@ Two kinds, chosen by ``reward_model.step_reward.prm.kind``:
 - ``causal_lm`` (Math-Shepherd's format): an ``AutoModelForCausalLM``, with ``step_tag`` written
   after every step; the step score is the probability of the good token against the bad one at the
   tag, :math:`e^{z_+} / (e^{z_+} + e^{z_-})`.
+- ``implicit`` (PRIME, Cui et al. 2025; Yuan et al. 2024): a causal LM :math:`\pi_\phi` trained on
+  outcome labels only (``tearless dpo algorithm.loss_type=implicit_prm``) against its reference
+  :math:`\pi_{ref}` (``prm.ref_path``) gives every token the reward
+  :math:`\beta\log\frac{\pi_\phi(y_t|y_{<t})}{\pi_{ref}(y_t|y_{<t})}`; a step's score is the sum over its
+  tokens (from the token after the previous step's end to its own last token).
 
 A pair is encoded as the policy saw it: the prompt rendered with the chat template and the
 generation prompt (or plain ``role: content`` lines without one), then the response's tokens. Steps
@@ -25,7 +30,7 @@ from typing import Any
 
 from tearless.rewards.steps import char_ends_to_tokens, split_steps
 
-PRM_KINDS = ("token_classification", "causal_lm")
+PRM_KINDS = ("token_classification", "causal_lm", "implicit")
 
 
 def prompt_token_ids(tokenizer: Any, prompt: str | Sequence[dict]) -> list[int]:
@@ -77,6 +82,7 @@ class ProcessRewardScorer:
         kind: ``token_classification`` or ``causal_lm`` (see the module docs).
         separator, separator_regex: what cuts a response into steps.
         good_token, bad_token, step_tag: the ``causal_lm`` reading (each token one vocabulary entry).
+        ref_path, beta: the ``implicit`` kind's reference model and β.
         micro_batch_size: pairs per forward pass; ``None`` = all at once.
         max_length: longest pair in tokens (keeps the end); ``None`` = no limit.
         device: where the model runs.
@@ -92,6 +98,8 @@ class ProcessRewardScorer:
         good_token: str = "+",
         bad_token: str = "-",
         step_tag: str = "ки",
+        ref_path: str | None = None,
+        beta: float = 0.05,
         micro_batch_size: int | None = None,
         max_length: int | None = None,
         device: str = "cpu",
@@ -113,6 +121,15 @@ class ProcessRewardScorer:
                 f"reward_model.step_reward.prm.path={path!r} has {self.model.config.num_labels} labels; a "
                 "token-classification PRM has 2 (bad, good) or 1 (a logit)"
             )
+        self.ref = None
+        if kind == "implicit":
+            if not ref_path:
+                raise ValueError(
+                    "reward_model.step_reward.prm.ref_path: the implicit PRM needs its reference model"
+                )
+            self.ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32)
+            self.ref.to(device).eval().requires_grad_(False)
+        self.beta = beta
         if kind == "causal_lm":
             self.good_bad = [
                 self._single_token(t, key) for t, key in ((good_token, "good"), (bad_token, "bad"))
@@ -136,8 +153,12 @@ class ProcessRewardScorer:
             )
         return ids[0]
 
-    def encode(self, prompt: str | Sequence[dict], response: str) -> tuple[list[int], list[int], list[int]]:
-        """:func:`encode_steps` of the pair, cut to its last ``max_length`` tokens."""
+    def encode(
+        self, prompt: str | Sequence[dict], response: str
+    ) -> tuple[list[int], list[int], list[int], int]:
+        """:func:`encode_steps` of the pair, cut to its last ``max_length`` tokens, and the position of
+        its first response token."""
+        first = len(prompt_token_ids(self.tokenizer, prompt))
         ids, positions, ends = encode_steps(
             self.tokenizer,
             prompt,
@@ -151,7 +172,8 @@ class ProcessRewardScorer:
             ids = ids[cut:]
             kept = [(p - cut, e) for p, e in zip(positions, ends, strict=True) if p >= cut]
             positions, ends = [p for p, _ in kept], [e for _, e in kept]
-        return ids, positions, ends
+            first = max(first - cut, 0)
+        return ids, positions, ends, first
 
     def score(
         self, prompts: Sequence[Any], responses: Sequence[str]
@@ -166,20 +188,50 @@ class ProcessRewardScorer:
         out: list[tuple[tuple[float, ...], tuple[int, ...]]] = []
         for start in range(0, len(encoded), size):
             chunk = encoded[start : start + size]
-            width = max(len(ids) for ids, _, _ in chunk)
+            width = max(len(e[0]) for e in chunk)
             input_ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, (ids, _, _) in enumerate(chunk):
+            for row, (ids, *_) in enumerate(chunk):
                 input_ids[row, : len(ids)] = torch.tensor(ids)
                 mask[row, : len(ids)] = 1
+            input_ids, mask = input_ids.to(self.device), mask.to(self.device)
             with torch.no_grad():
-                logits = self.model(
-                    input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)
-                ).logits
-            probs = self._step_probabilities(logits.float())
-            for row, (_, positions, ends) in enumerate(chunk):
+                logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
+                if self.kind == "implicit":
+                    ref_logits = self.ref(input_ids=input_ids, attention_mask=mask).logits.float()
+            if self.kind == "implicit":
+                rewards = self._token_rewards(logits, ref_logits, input_ids)
+                for row, (_, positions, ends, first) in enumerate(chunk):
+                    out.append((self._step_sums(rewards[row], positions, first), tuple(ends)))
+                continue
+            probs = self._step_probabilities(logits)
+            for row, (_, positions, ends, _) in enumerate(chunk):
                 out.append((tuple(probs[row, positions].cpu().tolist()), tuple(ends)))
         return out
+
+    def _token_rewards(self, logits: Any, ref_logits: Any, input_ids: Any) -> Any:
+        """(B, L): β(log π(x_p|x_<p) − log π_ref(x_p|x_<p)) at every position p ≥ 1, 0 at p = 0."""
+        import torch
+
+        from tearless.algos import logprobs_from_logits
+
+        labels = input_ids[:, 1:]
+        ratio = logprobs_from_logits(logits[:, :-1], labels) - logprobs_from_logits(
+            ref_logits[:, :-1], labels
+        )
+        return torch.nn.functional.pad(self.beta * ratio, (1, 0))
+
+    @staticmethod
+    def _step_sums(rewards: Any, positions: list[int], first: int) -> tuple[float, ...]:
+        """Each step's token rewards summed: step j covers (previous step's end, its own end]; the first
+        step starts at the response's first token ``first``."""
+        import torch
+
+        kept = torch.where(torch.arange(len(rewards), device=rewards.device) >= first, rewards, 0.0)
+        cumulative = kept.cumsum(0)
+        ends = cumulative[positions]
+        starts = torch.cat([cumulative.new_zeros(1), ends[:-1]]) if positions else ends
+        return tuple((ends - starts).cpu().tolist())
 
     def _step_probabilities(self, logits: Any) -> Any:
         """(B, L) probability that the step ending at each position is good."""

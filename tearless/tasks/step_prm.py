@@ -9,6 +9,10 @@ of every step only (TRL's PRM format, read back by :class:`~tearless.rewards.prm
 Held-out answers to the test prompts give its step accuracy. Everything is cached next to the task,
 keyed by the task and these settings.
 
+An implicit PRM (PRIME) needs no step labels: :func:`prepare_implicit_prm` trains a copy of the
+warm-up model with ``tearless dpo algorithm.loss_type=implicit_prm`` on the same kind of sampled
+answers labelled by their outcome only; its log-ratio to the warm-up model is the token reward.
+
     python -m tearless.tasks.step_prm   # builds the default chain_addition task and PRM, prints its path
 """
 
@@ -183,6 +187,108 @@ def prepare_prm(
         except OSError:  # another process finished the same build first; theirs is as good
             shutil.rmtree(tmp, ignore_errors=True)
         log(f"PRM held-out step accuracy {info['held_out_step_accuracy']:.3f} ({info['build_seconds']} s)")
+    return PRMFiles(str(final / "model"), json.loads((final / "prm.json").read_text()))
+
+
+@torch.no_grad()
+def outcome_rows(
+    model: torch.nn.Module, tokenizer: Any, rows: list[dict], *, samples_per_prompt: int, seed: int
+) -> list[dict]:
+    """Unpaired preference rows (``prompt``, ``completion``, ``label`` = the answer is right) from
+    sampled answers of ``model``; the prompt row's ``data_source``, ``reward_model``, ``extra_info`` kept."""
+    from tearless.data import render_prompt
+    from tearless.rollout.hf import HFRollout
+
+    rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
+    out = rollout.generate(
+        [render_prompt(tokenizer, r["prompt"]) for r in rows],
+        n=samples_per_prompt,
+        max_new_tokens=chain_addition.RESPONSE_TOKENS,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    result = []
+    for j, (ids, mask) in enumerate(zip(out.response_ids, out.response_mask, strict=True)):
+        row = rows[j // samples_per_prompt]
+        text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+        label = chain_addition.compute_score(text, row["reward_model"]["ground_truth"])["acc"] == 1.0
+        keep = {k: row[k] for k in ("data_source", "prompt", "reward_model", "extra_info")}
+        result.append({**keep, "completion": text, "label": label})
+    return result
+
+
+def prepare_implicit_prm(
+    spec: TaskSpec,
+    task: TaskFiles,
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    samples_per_prompt: int = 2,
+    beta: float = 0.5,
+    epochs: int = 1,
+    fresh: bool = False,
+    log=print,
+) -> PRMFiles:
+    """The task's implicit PRM: the warm-up model trained with ``implicit_prm`` on outcome-labelled
+    samples (cached). Its ``info`` holds the training run's held-out metrics and ``beta``; score with
+    ``prm.kind=implicit prm.path=<model_dir> prm.ref_path=<the task's model> prm.beta=<beta>``."""
+    from tearless.config import load_config
+    from tearless.config.dpo import DPOConfig
+    from tearless.data import load_rows, write_parquet
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+    from tearless.trainers.dpo import DPOTrainer
+
+    settings = {
+        "task": spec.key(),
+        "samples_per_prompt": samples_per_prompt,
+        "beta": beta,
+        "epochs": epochs,
+        "version": PRM_VERSION,
+    }
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
+    final = root / f"{spec.key()}-implicit-prm-{digest}"
+    if fresh and final.exists():
+        shutil.rmtree(final)
+    if not (final / "prm.json").is_file():
+        log(f"training the chain_addition task's implicit PRM in {final} (cached)")
+        started = time.perf_counter()
+        tmp = root / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        policy, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
+        for name, source, seed in (
+            ("train", task.train_file, spec.seed),
+            ("val", task.val_file, spec.seed + 1),
+        ):
+            rows = outcome_rows(
+                policy, tokenizer, load_rows(source), samples_per_prompt=samples_per_prompt, seed=seed
+            )
+            write_parquet(rows, tmp / f"{name}_outcomes.parquet")
+        overrides = [
+            f"model.path={task.model_dir}",
+            f"data.train_files={tmp / 'train_outcomes.parquet'}",
+            f"data.val_files={tmp / 'val_outcomes.parquet'}",
+            "algorithm.loss_type=implicit_prm",
+            f"algorithm.beta={beta}",
+            f"trainer.total_epochs={epochs}",
+            "trainer.logger=[]",
+            "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={tmp / 'run'}",
+        ]
+        summary = DPOTrainer(load_config(None, overrides, schema=DPOConfig), log=lambda _: None).fit()
+        shutil.move(summary["checkpoint"] + "/actor", tmp / "model")
+        shutil.rmtree(tmp / "run")
+        info = {
+            "settings": settings,
+            "held_out_before": summary.get("before", {}),
+            "held_out_after": summary.get("after", {}),
+            "build_seconds": round(time.perf_counter() - started, 1),
+        }
+        (tmp / "prm.json").write_text(json.dumps(info, indent=1))
+        try:
+            os.replace(tmp, final)
+        except OSError:  # another process finished the same build first; theirs is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+        log(f"implicit PRM trained ({info['build_seconds']} s)")
     return PRMFiles(str(final / "model"), json.loads((final / "prm.json").read_text()))
 
 

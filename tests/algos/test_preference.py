@@ -35,6 +35,14 @@ def test_apo_zero_unpaired_hand_worked():
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
+def test_implicit_prm_hand_worked():
+    # PRIME's cross-entropy of the outcome label against σ(βℓ), β = 0.1:
+    # −log σ(0.05), −log σ(−(−0.05)), −log σ(−0.15); the reference point plays no part.
+    loss, _ = kto_loss(POLICY, REF, DESIRABLE, Z, beta=0.1, kind="implicit_prm")
+    expected = (math.log1p(math.exp(-0.05)) + math.log1p(math.exp(-0.05)) + math.log1p(math.exp(0.15))) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
 def test_reference_point_is_clamped_at_zero_and_detached():
     pk = torch.tensor([-5.0, -5.0], requires_grad=True)
     z = kto_reference_point(pk, torch.tensor([-4.0, -4.5]))  # mean −0.75 → 0
@@ -57,7 +65,9 @@ def test_log1mexp_is_accurate_at_both_ends():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="unknown KTO loss kind 'bco'; known: apo_zero_unpaired, kto"):
+    with pytest.raises(
+        ValueError, match="unknown KTO loss kind 'bco'; known: apo_zero_unpaired, implicit_prm, kto"
+    ):
         kto_loss(POLICY, REF, DESIRABLE, kind="bco")
     with pytest.raises(ValueError, match="beta must be > 0"):
         kto_loss(POLICY, REF, DESIRABLE, beta=-1.0)

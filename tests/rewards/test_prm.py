@@ -78,18 +78,47 @@ def test_step_scores_equal_a_hand_forward(tok, tmp_path, kind):
         torch.testing.assert_close(torch.tensor(a[0]), torch.tensor(b[0]), rtol=0, atol=1e-5)
 
 
+def test_implicit_prm_sums_token_log_ratios_over_each_step(tok, tmp_path):
+    # Two different random causal LMs: the PRM π and its reference. The response "1+2=3\n3+3=6" has
+    # steps ending at response tokens 4 and 10 (prompt: 9 tokens), so step 1 sums the token rewards of
+    # positions 9…13 and step 2 those of 14…19: β Σ (log π(x_p | x_<p) − log π_ref(x_p | x_<p)).
+    policy = tiny(tok, "causal_lm", tmp_path / "prm")
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    ref = LlamaForCausalLM(policy.config).eval()
+    ref.save_pretrained(tmp_path / "ref")
+    scorer = ProcessRewardScorer(
+        str(tmp_path / "prm"), kind="implicit", ref_path=str(tmp_path / "ref"), beta=0.5
+    )
+    ((scores, ends),) = scorer.score([PROMPT], [RESPONSE])
+    ids, _, _ = encode_steps(tok, PROMPT, RESPONSE)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        lp = policy(input_ids=x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+        lr = ref(input_ids=x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None])[:, 0]
+    token = 0.5 * (lp - lr)  # token[p − 1] is the reward of position p
+    want = [token[8:13].sum().item(), token[13:19].sum().item()]
+    assert ends == (5, 11)
+    torch.testing.assert_close(torch.tensor(scores), torch.tensor(want), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="the implicit PRM needs its reference model"):
+        ProcessRewardScorer(str(tmp_path / "prm"), kind="implicit")
+
+
 def test_a_long_pair_keeps_its_end_and_drops_the_steps_cut_off(tok, tmp_path):
     tiny(tok, "token_classification", tmp_path)
     scorer = ProcessRewardScorer(str(tmp_path), max_length=6)
-    ids, positions, ends = scorer.encode(PROMPT, RESPONSE)
+    ids, positions, ends, first = scorer.encode(PROMPT, RESPONSE)
     # 9 prompt + 11 response tokens → the last 6 (response characters 5…10): the first step's "3"
     # (position 13) is cut, the second step's "6" (position 19) is at 19 − 14 = 5.
-    assert len(ids) == 6 and positions == [5] and ends == [11]
+    assert len(ids) == 6 and positions == [5] and ends == [11] and first == 0
 
 
 def test_errors(tok, tmp_path):
     tiny(tok, "causal_lm", tmp_path)
-    with pytest.raises(ValueError, match=r"prm\.kind='reward' is not one of token_classification, causal_lm"):
+    with pytest.raises(
+        ValueError, match=r"prm\.kind='reward' is not one of token_classification, causal_lm, implicit"
+    ):
         ProcessRewardScorer(str(tmp_path), kind="reward")
     with pytest.raises(
         ValueError, match=r"prm\.good_token='yes' is 3 tokens for this tokenizer; it must be one"

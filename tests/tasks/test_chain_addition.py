@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -126,3 +127,34 @@ def test_the_tiny_prm_is_trained_cached_and_read_by_the_scorer(tmp_path):
     assert ends == (8, 17) and all(0.0 < p < 1.0 for p in scores)
     with pytest.raises(ValueError, match=r"made for task\.name=chain_addition, not 'arithmetic'"):
         prepare_prm(TaskSpec(), files, tmp_path)
+
+
+def test_the_implicit_prm_is_trained_on_outcomes_and_scores_steps(tmp_path):
+    from tearless.data import load_rows
+    from tearless.rewards.prm import ProcessRewardScorer
+    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.step_prm import outcome_rows, prepare_implicit_prm
+
+    spec = TaskSpec(
+        name="chain_addition", num_train=24, num_val=8, warmup_steps=3, hidden_size=32, num_layers=1
+    )
+    files = prepare_task(spec, tmp_path, log=lambda _: None)
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+
+    rows = outcome_rows(
+        load_causal_lm(files.model_dir),
+        load_tokenizer(files.model_dir),
+        load_rows(files.val_file)[:3],
+        samples_per_prompt=2,
+        seed=0,
+    )
+    assert len(rows) == 6
+    for row in rows:  # the label is the verifier's outcome
+        assert row["label"] == (
+            ca.compute_score(row["completion"], row["reward_model"]["ground_truth"])["acc"] == 1.0
+        )
+    prm = prepare_implicit_prm(spec, files, tmp_path, log=lambda _: None)
+    assert "val/loss" in prm.info["held_out_after"]
+    scorer = ProcessRewardScorer(prm.model_dir, kind="implicit", ref_path=files.model_dir, beta=0.5)
+    ((scores, ends),) = scorer.score([[{"role": "user", "content": "23+58+17="}]], ["23+58=81\n81+17=98"])
+    assert ends == (8, 17) and len(scores) == 2 and all(math.isfinite(s) for s in scores)
