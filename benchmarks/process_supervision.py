@@ -7,9 +7,11 @@ responses (a fresh `tearless train` process each):
 - process: `algorithm.adv_estimator=grpo_process` (DeepSeekMath's process supervision) on the
   verifier's step scores only (`outcome_weight=0`);
 - process-prm (with `--prm`): the same, with the task's tiny trained PRM scoring the steps instead of
-  the verifier (its probabilities, not 0/1 labels);
+  the verifier (its probabilities, not 0/1 labels); process-prm+outcome adds the verifier's outcome
+  as the reward of a final step (`outcome_weight=1`);
 - process-implicit (with `--implicit`): the same, with an implicit PRM (PRIME): the warm-up model
-  trained on outcome labels only (`implicit_prm`), its log-ratio to the warm-up model summed per step.
+  trained on outcome labels only (`implicit_prm`), its log-ratio to the warm-up model summed per step;
+  process-implicit+outcome adds the outcome as a final step's reward, as PRIME combines them.
 
 Afterwards the final checkpoint answers the 200 held-out prompts greedily; recorded: accuracy (the
 last line's sum is right) and step validity (share of the expected steps that are present and valid,
@@ -99,6 +101,7 @@ def main() -> None:
             "reward_model.step_reward.prm.enable=true",
             f"reward_model.step_reward.prm.path={prm.model_dir}",
         ]
+        modes["process-prm+outcome"] = [*modes["process-prm"], "reward_model.step_reward.outcome_weight=1"]
     if args.implicit:
         from tearless.tasks.step_prm import prepare_implicit_prm
 
@@ -111,6 +114,10 @@ def main() -> None:
             f"reward_model.step_reward.prm.path={implicit.model_dir}",
             f"reward_model.step_reward.prm.ref_path={files.model_dir}",
             f"reward_model.step_reward.prm.beta={implicit.info['settings']['beta']}",
+        ]
+        modes["process-implicit+outcome"] = [
+            *modes["process-implicit"],
+            "reward_model.step_reward.outcome_weight=1",
         ]
     if args.only:
         modes = {name: extra for name, extra in modes.items() if name in args.only}
