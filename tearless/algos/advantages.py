@@ -346,7 +346,7 @@ def grpo_process_advantage(
     std is unbiased over the group's steps (1 for a group with a single step; the division is skipped
     when not ``norm_adv_by_std_in_grpo``). Rewards off the step positions are ignored, so an outcome
     reward counts only where it shares the last step's token (see
-    :func:`tearless.rewards.steps.step_token_rewards`). A group whose step rewards are all equal gets
+    :func:`tearless.rewards.steps.token_level_rewards`). A group whose step rewards are all equal gets
     exactly 0; so does a row without steps after its last step. returns = advantages.
     """
     steps = step_mask.bool() & response_mask
