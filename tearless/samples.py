@@ -78,7 +78,10 @@ def _fields(r: dict) -> list[tuple[str, str]]:
         ("ground truth", str(r.get("ground_truth", ""))),
     ]
     if r.get("reward_extra"):
-        fields.append(("reward components", ", ".join(f"{k}={v:g}" for k, v in r["reward_extra"].items())))
+        parts = [
+            f"{k}={v:g}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in r["reward_extra"].items()
+        ]
+        fields.append(("reward components", ", ".join(parts)))
     if r.get("tool_calls"):
         fields.append(("tool calls", json.dumps(r["tool_calls"], indent=1)))
     return [(label, visible(text)) for label, text in fields]

@@ -9,7 +9,7 @@ from tearless.algos import surrogates  # noqa: F401
 from tearless.algos.advantages import ADV_ESTIMATORS, compute_advantage, register_adv_estimator
 from tearless.algos.aggregation import AGG_MODES, agg_loss, register_agg_mode
 from tearless.algos.dapo import filter_groups, overlong_penalty
-from tearless.algos.dpo import DPO_LOSSES, dpo_loss, register_dpo_loss
+from tearless.algos.dpo import DPO_LOSSES, F_DIVERGENCES, REFERENCE_FREE, dpo_loss, register_dpo_loss
 from tearless.algos.groups import group_ids
 from tearless.algos.kl import (
     KL_ESTIMATORS,
@@ -30,13 +30,17 @@ from tearless.algos.losses import (
     value_loss,
 )
 from tearless.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, zero_masked
+from tearless.algos.preference import KTO_LOSSES, kto_loss, kto_reference_point, register_kto_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
     "AGG_MODES",
     "DPO_LOSSES",
+    "F_DIVERGENCES",
     "KL_ESTIMATORS",
+    "KTO_LOSSES",
     "POLICY_LOSSES",
+    "REFERENCE_FREE",
     "AdaptiveKLController",
     "FixedKLController",
     "KLController",
@@ -48,6 +52,8 @@ __all__ = [
     "gaussian_kl",
     "group_ids",
     "kl_penalty",
+    "kto_loss",
+    "kto_reference_point",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_mean",
@@ -60,6 +66,7 @@ __all__ = [
     "register_agg_mode",
     "register_dpo_loss",
     "register_kl_estimator",
+    "register_kto_loss",
     "register_policy_loss",
     "value_loss",
     "zero_masked",

@@ -40,6 +40,7 @@ def compute_advantage(
     reward_baselines: Tensor | None = None,
     std_scope: str = "group",
     unbiased_std: bool = True,
+    step_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns, both (B, T), from the estimator registered as ``estimator``.
 
@@ -51,7 +52,9 @@ def compute_advantage(
     batch. ``std_scope`` (``grpo`` only) is ``group`` (each group's std, the default) or ``batch`` (one
     std over every row's outcome reward, as Flow-GRPO's ``global_std``); ``unbiased_std`` (``grpo``
     only) divides the variance by n − 1 (``torch.std``, veRL) or, when False, by n (numpy's default,
-    Flow-GRPO). Runs without autograd: advantages are constants for the policy update.
+    Flow-GRPO). ``step_mask`` (B, T) marks the last token of each reasoning step (``grpo_process``
+    only; see :mod:`tearless.rewards.steps`). Runs without autograd: advantages are constants for the
+    policy update.
     """
     fn = lookup(ADV_ESTIMATORS, estimator, "advantage estimator")
     if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
@@ -59,8 +62,11 @@ def compute_advantage(
             "token_level_rewards and response_mask must both be (B, T), got "
             f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}"
         )
-    if values is not None and values.shape != response_mask.shape:
-        raise ValueError(f"values must be (B, T) = {tuple(response_mask.shape)}, got {tuple(values.shape)}")
+    for name, extra in (("values", values), ("step_mask", step_mask)):
+        if extra is not None and extra.shape != response_mask.shape:
+            raise ValueError(
+                f"{name} must be (B, T) = {tuple(response_mask.shape)}, got {tuple(extra.shape)}"
+            )
     inputs = {
         "token_level_rewards": token_level_rewards,
         "response_mask": response_mask.bool(),
@@ -73,6 +79,7 @@ def compute_advantage(
         "reward_baselines": reward_baselines,
         "std_scope": std_scope,
         "unbiased_std": unbiased_std,
+        "step_mask": step_mask,
     }
     return call_accepted(fn, inputs, f"advantage estimator {estimator!r}")
 
@@ -344,4 +351,49 @@ def grpo_passk_advantage(
     if norm_adv_by_std_in_grpo:
         gap = gap / (_group_std(_centred(rewards, ids), ids, sizes) + epsilon)
     adv = _tile(torch.where(is_winner, gap, torch.zeros_like(gap)), response_mask)
+    return adv, adv
+
+
+@register_adv_estimator("grpo_process")
+def grpo_process_advantage(
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    index: GroupIndex,
+    step_mask: Tensor,
+    norm_adv_by_std_in_grpo: bool,
+    epsilon: float,
+) -> tuple[Tensor, Tensor]:
+    r"""Process-supervised GRPO (Shao et al. 2024, DeepSeekMath §4.1.3): step rewards normalised over
+    the group, each token credited with the steps from its own onward.
+
+    With :math:`r_{i,j}` the reward of step j of row i (``token_level_rewards`` at the step's last
+    token, where ``step_mask`` is 1) and :math:`\mathcal{R}_g` every step reward of group g:
+
+    .. math:: \tilde r_{i,j} = \frac{r_{i,j} - \operatorname{mean}(\mathcal{R}_{g(i)})}
+              {\operatorname{std}(\mathcal{R}_{g(i)}) + \epsilon}, \qquad
+              A_{i,t} = \sum_{j:\ \mathrm{end}(j) \ge t} \tilde r_{i,j}
+
+    std is unbiased over the group's steps (1 for a group with a single step; the division is skipped
+    when not ``norm_adv_by_std_in_grpo``). Rewards off the step positions are ignored, so an outcome
+    reward counts only where it shares the last step's token (see
+    :func:`tearless.rewards.steps.token_level_rewards`). A group whose step rewards are all equal gets
+    exactly 0; so does a row without steps after its last step. returns = advantages.
+    """
+    steps = step_mask.bool() & response_mask
+    ids = group_ids(index, token_level_rewards.shape[0], token_level_rewards.device)
+    dtype = token_level_rewards.dtype
+    counts = group_reduce(steps.sum(-1).to(dtype), ids)
+    # Shifted by the group's largest step reward, as _centred, so equal rewards centre to exactly 0.
+    row_max = torch.where(steps, token_level_rewards, -torch.inf).amax(-1)
+    top = group_reduce(row_max, ids, "amax")
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    shifted = torch.where(steps, token_level_rewards - top[ids].unsqueeze(-1), 0.0)
+    mean = group_reduce(shifted.sum(-1), ids) / counts.clamp(min=1)
+    centred = torch.where(steps, shifted - mean[ids].unsqueeze(-1), 0.0)
+    if norm_adv_by_std_in_grpo:
+        var = group_reduce(centred.square().sum(-1), ids) / (counts - 1).clamp(min=1)
+        std = torch.where(counts > 1, var.sqrt(), torch.ones_like(var))
+        centred = centred / (std[ids].unsqueeze(-1) + epsilon)
+    adv = zero_masked(centred.flip(-1).cumsum(-1).flip(-1), response_mask)
     return adv, adv

@@ -329,7 +329,8 @@ class AlgorithmConfig:
     adv_estimator: str = doc(
         "grpo",
         "gae (PPO with a critic) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
-        "remax | opo | grpo_passk | gpg (for policy_loss.loss_mode=gpg)",
+        "remax | opo | grpo_passk | gpg (for policy_loss.loss_mode=gpg) | grpo_process (step rewards, "
+        "DeepSeekMath's process supervision)",
     )
     gamma: float = doc(1.0, "discount γ")
     lam: float = doc(1.0, "GAE λ")
@@ -357,6 +358,51 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class ProcessRewardModelConfig:
+    enable: bool = doc(
+        False,
+        "score every reasoning step with a process reward model (its step scores join the rule "
+        "scorer's outcome; see step_reward.outcome_weight / step_weight)",
+    )
+    path: str | None = doc(
+        None,
+        "local directory of the PRM (Hugging Face token classification, or a causal LM with kind="
+        "causal_lm); null with task.name=chain_addition = the tiny PRM the package trains for it",
+    )
+    kind: str = doc(
+        "token_classification",
+        "token_classification (P(label 1) at each step's last token, TRL's PRM format) | causal_lm "
+        "(P(good_token) against P(bad_token) after step_tag, Math-Shepherd's format) | implicit "
+        "(PRIME: β·log π/π_ref summed over each step's tokens, π trained on outcome labels with "
+        "tearless dpo algorithm.loss_type=implicit_prm)",
+    )
+    good_token: str = doc("+", "causal_lm: the token meaning a good step")
+    bad_token: str = doc("-", "causal_lm: the token meaning a bad step")
+    ref_path: str | None = doc(None, "implicit: the reference model the implicit PRM was trained against")
+    beta: float = doc(0.05, "implicit: β of the token rewards β·log π/π_ref (PRIME: 0.05)")
+    step_tag: str = doc(
+        "ки", "causal_lm: the text written after every step, where the PRM is read (Math-Shepherd's)"
+    )
+
+
+@dataclass
+class StepRewardConfig:
+    separator: str = doc(
+        "\n",
+        "what cuts a response into steps when a scorer returns step_scores without step_ends "
+        '(a literal string, e.g. "\\n\\n", or a regular expression with separator_regex)',
+    )
+    separator_regex: bool = doc(False, 'read separator as a regular expression (e.g. "Step \\d+:")')
+    outcome_weight: float = doc(
+        1.0, "weight of the outcome score, put on the last response token (0 = step scores only)"
+    )
+    step_weight: float = doc(
+        1.0, "weight of each step score, put on its step's last token (0 = outcome only, as without steps)"
+    )
+    prm: ProcessRewardModelConfig = field(default_factory=ProcessRewardModelConfig)
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = doc(
         False, "score with the reward model at reward_model.model.path (plus rule_weight × rule score)"
@@ -373,6 +419,7 @@ class RewardModelConfig:
         0.0, "with enable: weight of the rule score added to the model score (0 = model only, as veRL)"
     )
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    step_reward: StepRewardConfig = field(default_factory=StepRewardConfig)
     num_workers: int = doc(2, "reward scoring processes (0 = score in the trainer process, no timeout)")
     timeout_s: float = doc(30.0, "per-sample scoring timeout in seconds")
     failure_score: float = doc(0.0, "score given to a sample whose scorer raised or timed out")
@@ -482,7 +529,9 @@ class RayInitConfig:
 class TaskConfig:
     name: str = doc(
         "arithmetic",
-        "embedded task used when data/model paths are null: arithmetic | multihop (QA with a search tool)",
+        "embedded task used when data/model paths are null: arithmetic | multihop (QA with a search "
+        "tool) | chain_addition (three numbers summed one checkable step per line; needs "
+        "data.max_response_length >= 24)",
     )
     cache_dir: str | None = doc(
         None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"

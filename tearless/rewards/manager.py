@@ -45,12 +45,22 @@ class ScoreResult:
 
     ``score`` is the reward (``failure_score`` when ``error`` is set); ``extra`` holds the other
     numeric values of a dict result; ``error`` says why the sample failed (the function raised, timed
-    out, killed its worker, or returned something that is not a finite number).
+    out, killed its worker, or returned something that is not a finite number). ``steps`` is None, or
+    ``(step_scores, step_ends)`` when the scorer judged each reasoning step (``step_ends`` None: cut
+    by the configured separator; see :mod:`tearless.rewards.steps`).
     """
 
     score: float
     extra: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    steps: tuple[tuple[float, ...], tuple[int, ...] | None] | None = None
+
+    @classmethod
+    def from_outcome(cls, outcome: tuple, failure_score: float) -> ScoreResult:
+        """The result of a pool outcome, ``("ok", score, extras, steps)`` or ``("err", why)``."""
+        if outcome[0] == "ok":
+            return cls(outcome[1], outcome[2], None, outcome[3])
+        return cls(failure_score, {}, outcome[1])
 
 
 def load_reward_function(path: str | Path, name: str = "compute_score") -> Callable[..., Any]:
@@ -189,10 +199,7 @@ class RewardManager:
         fatal = next((o[1] for o in outcomes if o[0] == "fatal"), None)
         if fatal is not None:
             raise RewardError(f"reward scoring cannot run: {fatal}")
-        return [
-            ScoreResult(o[1], o[2]) if o[0] == "ok" else ScoreResult(self.failure_score, {}, o[1])
-            for o in outcomes
-        ]
+        return [ScoreResult.from_outcome(o, self.failure_score) for o in outcomes]
 
     def close(self) -> None:
         """Stop the worker processes; a later :meth:`score` call starts new ones."""

@@ -19,6 +19,11 @@ scoring needs ``prompt`` (the chat messages, or a string).
 With ``reward_model.enable`` a reward model (:class:`~tearless.rewards.model.RewardModelScorer`)
 scores every pair, and the score is ``model score + rule_weight · rule score``, the rule score coming
 from the manager above; with ``rule_weight=0`` (the default, as in veRL) rule scorers are not called.
+
+With ``reward_model.step_reward.prm.enable`` a process reward model
+(:class:`~tearless.rewards.prm.ProcessRewardScorer`) scores every step of every response; its step
+scores become each result's ``steps`` (replacing any the rule scorer gave) while the score stays the
+outcome of the managers above.
 """
 
 from __future__ import annotations
@@ -114,11 +119,7 @@ class BatchRewardManager(_Manager):
             raise ValueError(
                 f"the batch reward function returned {len(values)} scores for {len(items)} samples"
             )
-        outcomes = [check_value(v) for v in values]
-        return [
-            ScoreResult(o[1], o[2]) if o[0] == "ok" else ScoreResult(self.failure_score, {}, o[1])
-            for o in outcomes
-        ]
+        return [ScoreResult.from_outcome(check_value(v), self.failure_score) for v in values]
 
 
 class OverlongPenaltyManager(_Manager):
@@ -161,7 +162,7 @@ class OverlongPenaltyManager(_Manager):
             extra = {**result.extra, "acc": result.extra.get("acc", float(result.score >= 1.0))}
             if self.log:
                 extra.update(overlong_reward=penalty, overlong=float(penalty < 0))
-            shaped.append(ScoreResult(result.score + penalty, extra, result.error))
+            shaped.append(ScoreResult(result.score + penalty, extra, result.error, result.steps))
         return shaped
 
     @property
@@ -194,7 +195,7 @@ class ModelRewardManager(_Manager):
                 results.append(ScoreResult(value, {"rm_score": value}))
                 continue
             extra = {**rule.extra, "rm_score": value, "rule_score": rule.score}
-            results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error))
+            results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error, rule.steps))
         return results
 
     @property
@@ -204,6 +205,37 @@ class ModelRewardManager(_Manager):
     def close(self) -> None:
         if self.rule is not None:
             self.rule.close()
+
+
+class ProcessRewardManager(_Manager):
+    """The inner manager's outcome scores, with a process reward model's step scores as their steps.
+
+    Extras gain ``prm_step_mean`` (the mean step score of the response; absent without steps).
+    """
+
+    def __init__(self, scorer: Any, inner: Any) -> None:
+        self.scorer = scorer
+        self.inner = inner
+
+    def score(self, items: Sequence[dict]) -> list[ScoreResult]:
+        if any("prompt" not in item for item in items):
+            raise ValueError("process-reward-model scoring needs each item's prompt (its chat messages)")
+        outcomes = self.inner.score(items)
+        steps = self.scorer.score([it["prompt"] for it in items], [it["solution_str"] for it in items])
+        results = []
+        for outcome, (scores, ends) in zip(outcomes, steps, strict=True):
+            extra = dict(outcome.extra)
+            if scores:
+                extra["prm_step_mean"] = sum(scores) / len(scores)
+            results.append(ScoreResult(outcome.score, extra, outcome.error, (scores, ends)))
+        return results
+
+    @property
+    def lost_workers(self) -> int:
+        return self.inner.lost_workers
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 def reward_config_problems(reward_model: Any, max_response_length: int) -> list[tuple[str, str, str]]:
@@ -234,6 +266,21 @@ def reward_config_problems(reward_model: Any, max_response_length: int) -> list[
         problems.append(
             ("reward_model.model.path", "reward_model.enable=true needs a model",
              "Point it at a local sequence-classification model directory (num_labels=1).")
+        )  # fmt: skip
+    if rm.step_reward.prm.enable and not rm.step_reward.prm.path:
+        problems.append(
+            ("reward_model.step_reward.prm.path", "prm.enable=true needs a process reward model",
+             "Point it at a local PRM directory (python -m tearless.tasks.step_prm builds the embedded "
+             "chain_addition task's and prints its path).")
+        )  # fmt: skip
+    if (
+        rm.step_reward.prm.enable
+        and rm.step_reward.prm.kind == "implicit"
+        and not rm.step_reward.prm.ref_path
+    ):
+        problems.append(
+            ("reward_model.step_reward.prm.ref_path", "prm.kind=implicit needs the reference model",
+             "Point it at the model the implicit PRM was trained against (its starting point).")
         )  # fmt: skip
     if not rm.enable and rm.rule_weight != 0.0:
         problems.append(
@@ -285,6 +332,25 @@ def make_reward_manager(
             device=device,
         )
         manager = ModelRewardManager(scorer, rule, rm.rule_weight)
+    sr = rm.step_reward
+    if sr.prm.enable:
+        from tearless.rewards.prm import ProcessRewardScorer
+
+        prm = ProcessRewardScorer(
+            sr.prm.path,
+            kind=sr.prm.kind,
+            separator=sr.separator,
+            separator_regex=sr.separator_regex,
+            good_token=sr.prm.good_token,
+            bad_token=sr.prm.bad_token,
+            step_tag=sr.prm.step_tag,
+            ref_path=sr.prm.ref_path,
+            beta=sr.prm.beta,
+            micro_batch_size=rm.micro_batch_size_per_gpu,
+            max_length=rm.max_length,
+            device=device,
+        )
+        manager = ProcessRewardManager(prm, manager)
     ob = rm.overlong_buffer
     if rm.reward_manager == "dapo" and ob.enable:
         manager = OverlongPenaltyManager(

@@ -7,9 +7,10 @@ sample as soon as it is scored. The parent therefore knows which sample each wor
 when, and kills (SIGKILL) a worker whose current sample runs past the deadline, or notices one that
 died, and forks a replacement, so the pool keeps its size.
 
-Outcomes are ``("ok", score, extras)``, ``("err", message)`` or ``("fatal", message)`` (the code
-sandbox cannot run at all, :class:`~tearless.rewards.sandbox.SandboxError`: every sample would fail
-the same way, so the manager stops the run instead of scoring it 0).
+Outcomes are ``("ok", score, extras, steps)``, ``("err", message)`` or ``("fatal", message)`` (the
+code sandbox cannot run at all, :class:`~tearless.rewards.sandbox.SandboxError`: every sample would
+fail the same way, so the manager stops the run instead of scoring it 0); ``steps`` is None or
+``(step_scores, step_ends)`` (see :mod:`tearless.rewards.steps`).
 
 What user code may do without breaking the pool: raise, call ``sys.exit``, kill its own worker,
 fork (a child that returns from the reward function exits at once and never touches the pipe),
@@ -21,6 +22,7 @@ and the sample scored again).
 
 from __future__ import annotations
 
+import itertools
 import math
 import multiprocessing
 import numbers
@@ -93,20 +95,28 @@ def check_value(value: Any) -> Outcome:
     The score is a real number (a bool, int, float, numpy scalar, or a one-element tensor or array,
     through ``.item()``) or a dict's ``score``. A dict's other finite numeric (and bool) values are
     kept as extras; non-numeric or non-finite ones (a predicted string, a NaN) are dropped, since
-    extras are logged as numbers, and so are extras beyond ±:data:`MAX_ABS_SCORE`. Anything else
-    (None, a string, a NaN, a score beyond ±:data:`MAX_ABS_SCORE`) is an ``("err", why)`` outcome,
-    never an exception.
+    extras are logged as numbers, and so are extras beyond ±:data:`MAX_ABS_SCORE`. A dict's
+    ``step_scores`` (finite numbers) and optional ``step_ends`` (increasing character offsets, one per
+    score) become the outcome's ``steps``. Anything else (None, a string, a NaN, a score beyond
+    ±:data:`MAX_ABS_SCORE`, malformed steps) is an ``("err", why)`` outcome, never an exception.
     """
+    steps = None
     if isinstance(value, dict):
         if "score" not in value:
             keys = sorted(str(k)[:40] for k in value)[:20]
             return ("err", f"returned a dict without a 'score' key (keys: {keys})")
         extras = {}
         for key, extra in value.items():
-            number = _as_float(extra) if key != "score" else None
+            number = _as_float(extra) if key not in ("score", *_STEP_KEYS) else None
             if number is not None and math.isfinite(number) and abs(number) <= MAX_ABS_SCORE:
                 extras[str(key)] = number
         score = value["score"]
+        if "step_scores" in value:
+            steps = _steps(value.get("step_scores"), value.get("step_ends"))
+            if isinstance(steps, str):
+                return ("err", steps)
+        elif "step_ends" in value:
+            return ("err", "returned 'step_ends' without 'step_scores'")
     else:
         score, extras = value, {}
     number = _as_float(score)
@@ -120,7 +130,32 @@ def check_value(value: Any) -> Outcome:
         return ("err", f"returned a non-finite score ({number})")
     if abs(number) > MAX_ABS_SCORE:
         return ("err", f"returned an absurd score ({number:g}); beyond ±{MAX_ABS_SCORE:g} is a failure")
-    return ("ok", number, extras)
+    return ("ok", number, extras, steps)
+
+
+_STEP_KEYS = ("step_scores", "step_ends")
+
+
+def _steps(scores: Any, ends: Any) -> tuple[tuple[float, ...], tuple[int, ...] | None] | str:
+    """``(step_scores, step_ends)`` checked and as plain tuples, or a string saying what is wrong."""
+    if isinstance(scores, (str, bytes, dict)) or not hasattr(scores, "__len__"):
+        return f"returned step_scores of type {type(scores).__name__}; it must be a list of numbers"
+    values = [_as_float(x) for x in scores]
+    if any(x is None or not math.isfinite(x) for x in values):
+        return f"returned step_scores with a value that is not a finite number ({_short(list(scores))})"
+    if ends is None:
+        return tuple(values), None
+    if isinstance(ends, (str, bytes, dict)) or not hasattr(ends, "__len__"):
+        return f"returned step_ends of type {type(ends).__name__}; it must be a list of character offsets"
+    offsets = [int(e) if isinstance(e, numbers.Integral) and not isinstance(e, bool) else None for e in ends]
+    if any(e is None or e <= 0 for e in offsets) or len(offsets) != len(values):
+        return (
+            f"returned step_ends {_short(list(ends))}: it must hold one positive character offset per "
+            f"step score ({len(values)})"
+        )
+    if any(b <= a for a, b in itertools.pairwise(offsets)):
+        return f"returned step_ends {_short(list(ends))} that do not increase"
+    return tuple(values), tuple(offsets)
 
 
 def _as_float(value: Any) -> float | None:
@@ -157,7 +192,12 @@ def _well_formed(message: Any, expected: int) -> bool:
     if not isinstance(outcome, tuple) or not outcome:
         return False
     if outcome[0] == "ok":
-        return len(outcome) == 3 and isinstance(outcome[1], float) and isinstance(outcome[2], dict)
+        return (
+            len(outcome) == 4
+            and isinstance(outcome[1], float)
+            and isinstance(outcome[2], dict)
+            and (outcome[3] is None or isinstance(outcome[3], tuple))
+        )
     return outcome[0] in ("err", "fatal") and len(outcome) == 2 and isinstance(outcome[1], str)
 
 

@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -129,8 +130,20 @@ def task_rows(spec: TaskSpec) -> tuple[list[dict], list[dict]]:
     return train_rows, val_rows
 
 
-def warmup_demos(rows: list[dict], *, num: int, seed: int, forget_carry: float) -> list[dict]:
-    """``num`` SFT rows: the prompt rows with a ``response`` from the flawed teacher.
+def arithmetic_teacher(row: dict, rng: random.Random, forget_carry: float) -> str:
+    """The arithmetic task's flawed teacher (:func:`~tearless.tasks.arithmetic.flawed_teacher`) for a row."""
+    return arithmetic.flawed_teacher(row["extra_info"]["a"], row["extra_info"]["b"], rng, forget_carry)
+
+
+def warmup_demos(
+    rows: list[dict],
+    *,
+    num: int,
+    seed: int,
+    forget_carry: float,
+    teacher: Callable[[dict, random.Random, float], str] = arithmetic_teacher,
+) -> list[dict]:
+    """``num`` SFT rows: the prompt rows with a ``response`` from the flawed ``teacher``.
 
     The prompts are visited in passes, each in a fresh random order, and every visit draws a fresh
     demonstration, so a prompt seen 20 times has about ``forget_carry`` of its carries dropped.
@@ -139,8 +152,7 @@ def warmup_demos(rows: list[dict], *, num: int, seed: int, forget_carry: float) 
     demos: list[dict] = []
     while len(demos) < num:
         for row in rng.sample(rows, len(rows))[: num - len(demos)]:
-            a, b = row["extra_info"]["a"], row["extra_info"]["b"]
-            demos.append({**row, "response": arithmetic.flawed_teacher(a, b, rng, forget_carry)})
+            demos.append({**row, "response": teacher(row, rng, forget_carry)})
     return demos
 
 
@@ -154,6 +166,7 @@ def supervised_warmup(
     forget_carry: float,
     batch_size: int = 128,
     lr: float = 3e-3,
+    teacher: Callable[[dict, random.Random, float], str] = arithmetic_teacher,
 ) -> list[float]:
     """Train on ``steps × batch_size`` flawed-teacher demonstrations (loss on assistant tokens only)
     with the SFT trainer's step and default optimizer; return the per-step losses.
@@ -166,7 +179,7 @@ def supervised_warmup(
     from tearless.trainers.offline import make_optimizer
     from tearless.trainers.sft import collate_fn, sft_step
 
-    demos = warmup_demos(rows, num=steps * batch_size, seed=seed, forget_carry=forget_carry)
+    demos = warmup_demos(rows, num=steps * batch_size, seed=seed, forget_carry=forget_carry, teacher=teacher)
     loader = PromptLoader(SFTDataset(demos, tokenizer), batch_size, shuffle=True, seed=seed)
     optim = OfflineOptimConfig(lr=lr)
     opt, sched = make_optimizer(model, optim, steps)
@@ -196,6 +209,10 @@ def prepare_task(
             from tearless.tasks import multihop
 
             built = multihop.build(spec, tmp)
+        elif spec.name == "chain_addition":
+            from tearless.tasks import chain_addition
+
+            built = chain_addition.build(spec, tmp)
         else:
             built = _build_arithmetic(spec, tmp)
         info = {

@@ -1,20 +1,24 @@
-r"""Offline DPO: preference pairs, reference log-probs computed once, the ``dpo_loss`` family.
+r"""Offline preference optimisation: the ``dpo_loss`` family on pairs, ``kto_loss`` on unpaired examples.
 
 The log-probability of a response is the sum over its tokens,
 :math:`\log\pi(y \mid x) = \sum_t m_t \log\pi(y_t \mid x, y_{<t})`, with :math:`m_t` its assistant-token
-mask. Before the first step the reference's :math:`\log\pi_{ref}(y_c)` and :math:`\log\pi_{ref}(y_r)`
-of every training and held-out pair are computed once (the reference is the starting model, or
-``model.ref_path``; zero with ``reference_free``), stored by pair index and saved in each checkpoint,
-so no reference model stays in memory and a resumed run reuses the same numbers. One step:
+mask, and its length L is :math:`\sum_t m_t`. Before the first step the reference's log-probs of both
+sides of every training and held-out item (a pair's chosen and rejected responses; a KTO example's
+response and its mismatched KL sequence) are computed once (the reference is the starting model, or
+``model.ref_path``; zero with ``reference_free`` and for the reference-free cpo, simpo and orpo),
+stored by item index and saved in each checkpoint, so no reference model stays in memory and a
+resumed run reuses the same numbers. One step on pairs:
   1. forward the chosen and the rejected sides of each micro-batch in one batch;
-  2. ``dpo_loss`` (``algorithm.loss_type``) of
-     :math:`h = (\log\pi(y_c) - \log\pi_{ref}(y_c)) - (\log\pi(y_r) - \log\pi_{ref}(y_r))`,
-     weighted by the micro-batch's share of the step's pairs, so the gradient is that of the step's mean;
+  2. ``dpo_loss`` (``algorithm.loss_type``) of the summed log-probs, their lengths and the step's mean
+     chosen length (so token-mean NLL terms stay the step's token mean), weighted by the micro-batch's
+     share of the step's pairs, so the gradient is that of the step's mean;
   3. clip, AdamW step, lr schedule.
-Metrics (TRL's names): ``rewards/chosen`` and ``rewards/rejected`` (means of
-:math:`\beta(\log\pi - \log\pi_{ref})`), ``rewards/accuracies`` (share of pairs whose chosen reward is
-higher), ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; held-out pairs give the same
-under ``val/``, and the held-out prompts give greedy task accuracy.
+KTO (:mod:`tearless.trainers.kto`) first estimates its reference point z from the step's KL sequences,
+then runs 1-3 on the responses with ``kto_loss``.
+Metrics (TRL's names): ``rewards/chosen`` and ``rewards/rejected`` (means of the implicit rewards,
+:math:`\beta(\log\pi - \log\pi_{ref})` for the DPO family), ``rewards/accuracies`` (share of pairs
+whose chosen reward is higher), ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; held-out
+items give the same under ``val/``, and the held-out prompts give greedy task accuracy.
 """
 
 from __future__ import annotations
@@ -26,64 +30,84 @@ from typing import Any
 
 import torch
 
-from tearless.algos import dpo_loss
+from tearless.algos import KTO_LOSSES, REFERENCE_FREE, dpo_loss
 from tearless.config.dpo import DPOConfig
-from tearless.data.pairs import PairDataset, collate_pairs
+from tearless.data.pairs import PairDataset, UnpairedDataset, collate_pairs, side_lengths
 from tearless.data.sft import read_many
 from tearless.trainers import offline
 from tearless.trainers.sft import token_logps
 
+PAIR_SIDES = ("chosen", "rejected")
+KTO_SIDES = ("completion", "kl")
 
-def pair_logps(model: torch.nn.Module, items: Sequence[dict], *, pad_token_id: int) -> torch.Tensor:
-    """Summed response log-probs, shape (P, 2): column 0 the chosen side, 1 the rejected side."""
-    batch = collate_pairs(items, pad_token_id=pad_token_id)
+
+def side_logps(
+    model: torch.nn.Module, items: Sequence[dict], *, pad_token_id: int, sides: Sequence[str] = PAIR_SIDES
+) -> torch.Tensor:
+    """Summed response log-probs, shape (P, len(sides)): column k is side ``sides[k]`` of each item
+    (by default 0 the chosen response, 1 the rejected one), all sides forwarded in one batch."""
+    batch = collate_pairs(items, pad_token_id=pad_token_id, sides=sides)
     logps = token_logps(model, batch)
     mask = batch["loss_mask"][:, 1:].to(logps.device).bool()
     sums = torch.where(mask, logps, 0.0).sum(-1)
-    return torch.stack(sums.chunk(2), dim=1)
+    return torch.stack(sums.chunk(len(sides)), dim=1)
 
 
 @torch.no_grad()
 def reference_logps(
-    model: torch.nn.Module, dataset: Sequence[dict], *, pad_token_id: int, micro_batch_size: int = 64
-) -> dict[int, tuple[float, float]]:
-    """``{pair index: (log π_ref(chosen), log π_ref(rejected))}`` for every pair of ``dataset``."""
+    model: torch.nn.Module,
+    dataset: Sequence[dict],
+    *,
+    pad_token_id: int,
+    micro_batch_size: int = 64,
+    sides: Sequence[str] = PAIR_SIDES,
+) -> dict[int, tuple[float, ...]]:
+    """``{item index: (log π_ref(side 0), log π_ref(side 1))}`` for every item of ``dataset``."""
     model.eval()
     items = [dataset[i] for i in range(len(dataset))]
-    out: dict[int, tuple[float, float]] = {}
+    out: dict[int, tuple[float, ...]] = {}
     for start in range(0, len(items), micro_batch_size):
         chunk = items[start : start + micro_batch_size]
-        for it, (c, r) in zip(
-            chunk, pair_logps(model, chunk, pad_token_id=pad_token_id).tolist(), strict=True
-        ):
-            out[it["index"]] = (c, r)
+        logps = side_logps(model, chunk, pad_token_id=pad_token_id, sides=sides).tolist()
+        for it, values in zip(chunk, logps, strict=True):
+            out[it["index"]] = tuple(values)
     return out
 
 
 def preference_step(
     model: torch.nn.Module,
     items: Sequence[dict],
-    ref: dict[int, tuple[float, float]],
+    ref: dict[int, tuple[float, ...]],
     *,
     pad_token_id: int,
-    beta: float,
-    label_smoothing: float = 0.0,
-    kind: str = "sigmoid",
     micro_batch_size: int | None = None,
     train: bool = True,
+    **loss: Any,
 ) -> dict[str, float]:
-    """Loss (backward when ``train``) and the DPO metrics over ``items``, micro-batched."""
+    """Loss (backward when ``train``) and the DPO metrics over the pairs ``items``, micro-batched.
+
+    ``loss`` holds :func:`~tearless.algos.dpo_loss`'s keyword arguments (``beta``, ``kind``,
+    ``label_smoothing``, …); the token counts come from the items.
+    """
     size = micro_batch_size or len(items)
+    mean_chosen = float(side_lengths(items, "chosen").float().mean())
     sums = dict.fromkeys(("loss", "chosen", "rejected", "accuracies", "margins", "logp_c", "logp_r"), 0.0)
     for start in range(0, len(items), size):
         chunk = items[start : start + size]
         with torch.set_grad_enabled(train):
-            logps = pair_logps(model, chunk, pad_token_id=pad_token_id)
+            logps = side_logps(model, chunk, pad_token_id=pad_token_id)
             refs = torch.tensor([ref[it["index"]] for it in chunk], dtype=logps.dtype, device=logps.device)
-            loss, chosen, rejected = dpo_loss(
-                logps[:, 0], logps[:, 1], refs[:, 0], refs[:, 1], beta, label_smoothing, kind
+            lengths = {f"{s}_lengths": side_lengths(chunk, s).to(logps.device) for s in PAIR_SIDES}
+            loss_value, chosen, rejected = dpo_loss(
+                logps[:, 0],
+                logps[:, 1],
+                refs[:, 0],
+                refs[:, 1],
+                mean_chosen_length=mean_chosen,
+                **lengths,
+                **loss,
             )
-            weighted = loss * len(chunk) / len(items)
+            weighted = loss_value * len(chunk) / len(items)
         if train:
             weighted.backward()
         sums["loss"] += weighted.item()
@@ -106,7 +130,8 @@ def preference_step(
 
 
 class DPOTrainer:
-    """Single-process offline DPO trainer. ``DPOTrainer(cfg).fit()`` trains and returns a summary."""
+    """Single-process offline preference trainer (every ``algorithm.loss_type``, pairs or KTO).
+    ``DPOTrainer(cfg).fit()`` trains and returns a summary."""
 
     def __init__(self, cfg: DPOConfig, *, log: Callable[[str], None] = print) -> None:
         from tearless.data import PromptLoader, load_many
@@ -119,6 +144,7 @@ class DPOTrainer:
         self.start_step, state, resume_dir = offline.find_resume(t, self.run_dir)
         model_path, train_files, val_files, prompt_files = self._resolve_paths()
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, "model.path")
+        self.unpaired = cfg.algorithm.loss_type in KTO_LOSSES
         keys = dict(
             max_length=data.max_length,
             truncation=data.truncation,
@@ -126,13 +152,18 @@ class DPOTrainer:
             chosen_key=data.chosen_key,
             rejected_key=data.rejected_key,
         )
-        self.train_set = PairDataset(read_many(train_files), self.tokenizer, source=str(train_files), **keys)
+        if self.unpaired:
+            keys.update(completion_key=data.completion_key, label_key=data.label_key, kl_seed=t.seed)
+        dataset = UnpairedDataset if self.unpaired else PairDataset
+        self.train_set = dataset(read_many(train_files), self.tokenizer, source=str(train_files), **keys)
         val_records = read_many(val_files) if val_files else []
         self.prompt_rows = load_many(prompt_files) if prompt_files else []
         if data.val_max_samples > 0:
             val_records = val_records[: data.val_max_samples]
             self.prompt_rows = self.prompt_rows[: data.val_max_samples]
-        self.val_set = PairDataset(val_records, self.tokenizer, **keys) if val_records else None
+        self.val_set = (
+            dataset(val_records, self.tokenizer, source=str(val_files), **keys) if val_records else None
+        )
         self.loader = PromptLoader(
             self.train_set,
             data.train_batch_size,
@@ -180,12 +211,14 @@ class DPOTrainer:
         )
         return model_path or files.model_dir, pairs.train_file, pairs.val_file, files.val_file
 
-    def _reference(self, ref_path: Any) -> dict[str, dict[int, tuple[float, float]]]:
-        """Reference log-probs of every train and held-out pair (zeros when reference-free)."""
+    def _reference(self, ref_path: Any) -> dict[str, dict[int, tuple[float, ...]]]:
+        """Reference log-probs of both sides of every train and held-out item (zeros without a
+        reference: ``reference_free``, or a reference-free loss type)."""
         from tearless.models.loading import load_causal_lm
 
         sets = {"train": self.train_set, "val": self.val_set}
-        if self.cfg.algorithm.reference_free:
+        alg = self.cfg.algorithm
+        if alg.reference_free or alg.loss_type in REFERENCE_FREE:
             return {k: {s[i]["index"]: (0.0, 0.0) for i in range(len(s))} for k, s in sets.items() if s}
         same = self.cfg.model.ref_path is None
         ref_model = (
@@ -194,26 +227,45 @@ class DPOTrainer:
         ref_model.to(self.device)
         size = self.cfg.data.micro_batch_size_per_gpu or 64
         pad = self.tokenizer.pad_token_id
+        sides = KTO_SIDES if self.unpaired else PAIR_SIDES
         return {
-            k: reference_logps(ref_model, s, pad_token_id=pad, micro_batch_size=size)
+            k: reference_logps(ref_model, s, pad_token_id=pad, micro_batch_size=size, sides=sides)
             for k, s in sets.items()
             if s
         }
 
     def _step_kwargs(self) -> dict[str, Any]:
         alg = self.cfg.algorithm
-        return dict(
+        common = dict(
             pad_token_id=self.tokenizer.pad_token_id,
             beta=alg.beta,
-            label_smoothing=alg.label_smoothing,
             kind=alg.loss_type,
             micro_batch_size=self.cfg.data.micro_batch_size_per_gpu,
         )
+        if self.unpaired:
+            return dict(
+                common, desirable_weight=alg.desirable_weight, undesirable_weight=alg.undesirable_weight
+            )
+        return dict(
+            common,
+            label_smoothing=alg.label_smoothing,
+            f_divergence=alg.f_divergence_type,
+            f_alpha=alg.f_alpha_divergence_coef,
+            discopop_tau=alg.discopop_tau,
+            simpo_gamma=alg.simpo_gamma,
+            cpo_alpha=alg.cpo_alpha,
+        )
+
+    def _step(self, items: list[dict], ref: dict, **kwargs: Any) -> dict[str, float]:
+        from tearless.trainers.kto import kto_step
+
+        step = kto_step if self.unpaired else preference_step
+        return step(self.model, items, ref, **{**self._step_kwargs(), **kwargs})
 
     def train_step(self, items: list[dict]) -> dict[str, float]:
         started = time.perf_counter()
         self.model.train()
-        metrics = preference_step(self.model, items, self.ref["train"], **self._step_kwargs())
+        metrics = self._step(items, self.ref["train"])
         metrics["train/loss"] = metrics.pop("loss")
         metrics.update(
             offline.optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.clip_grad)
@@ -227,8 +279,10 @@ class DPOTrainer:
         if self.val_set is not None:
             self.model.eval()
             items = [self.val_set[i] for i in range(len(self.val_set))]
-            kwargs = {**self._step_kwargs(), "micro_batch_size": self.cfg.data.micro_batch_size_per_gpu or 64}
-            val = preference_step(self.model, items, self.ref["val"], train=False, **kwargs)
+            # aot sorts over the whole batch: score the held-out pairs in one piece, as in training.
+            sorts = self.cfg.algorithm.loss_type in ("aot", "aot_unpaired")
+            micro = None if sorts else self.cfg.data.micro_batch_size_per_gpu or 64
+            val = self._step(items, self.ref["val"], train=False, micro_batch_size=micro)
             metrics.update({f"val/{k}": v for k, v in val.items()})
         if self.prompt_rows:
             metrics.update(

@@ -30,6 +30,7 @@ from tearless.config import Config, to_dict
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.models.loading import load_tokenizer
+from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers import resume_compat, runlock
@@ -343,11 +344,19 @@ class RLTrainer:
                 td["values"] = self.workers.compute_values(td)
 
     def token_rewards(self, td: TensorDict, rollout: Rollout, metrics: dict) -> torch.Tensor:
-        """(B, R) rewards: each score on its response's last model token, minus the KL penalty when
-        it is in the reward (the KL controller updated)."""
+        """(B, R) rewards: each score on its response's last model token (and step scores on their
+        steps' last tokens), minus the KL penalty when it is in the reward (the KL controller updated)."""
         mask = td["response_mask"]
-        rewards = torch.zeros(mask.shape, dtype=torch.float32)
-        rewards[torch.arange(len(mask)), score_positions(mask)] = rollout.scores
+        # Each score on the last model token of its response, and step scores (when the scorer gave
+        # any) on the last token of each reasoning step (tearless.rewards.steps).
+        rewards, td["step_mask"] = rollout_token_rewards(
+            rollout.scores,
+            rollout.extras,
+            rollout.texts,
+            rollout.out,
+            self.tokenizer,
+            self.cfg.reward_model.step_reward,
+        )
         alg = self.cfg.algorithm
         if alg.use_kl_in_reward:
             kl, current_kl = reward_kl(td["old_log_prob"], td["ref_log_prob"], mask, alg.kl_penalty)
@@ -377,6 +386,7 @@ class RLTrainer:
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
             reward_baselines=baselines,
             values=td.get("values", None),
+            step_mask=td["step_mask"],
         )
 
     def _dump_samples(self, step: int, rollout: Rollout, uids: list[str], advantages: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from tearless.rewards.steps import step_fields
 from tearless.rollout.hf import RolloutOutput
 
 
@@ -46,7 +47,8 @@ def score_responses(tokenizer: Any, manager: Any, items: list[dict], out: Rollou
             [bool(r.extra["acc"]) if "acc" in r.extra else r.score >= 1.0 for r in results]
         ),
         "texts": texts,
-        "extras": [{k: float(v) for k, v in r.extra.items()} for r in results],
+        # Each response's components, and its step scores if the scorer gave any (tearless.rewards.steps).
+        "extras": [{**{k: float(v) for k, v in r.extra.items()}, **step_fields(r.steps)} for r in results],
         "failures": sum(r.error is not None for r in results),
         "lost_workers": manager.lost_workers - lost_before,
     }
@@ -58,7 +60,8 @@ def reward_metrics(extras: list[dict[str, float]], failures: int, lost_workers: 
     by_key: dict[str, list[float]] = defaultdict(list)
     for extra in extras:
         for k, v in extra.items():
-            by_key[k].append(v)
+            if k not in ("step_scores", "step_ends"):
+                by_key[k].append(v)
     metrics = {f"reward_extra/{k}/mean": sum(v) / len(v) for k, v in by_key.items()}
     metrics["reward/failures"] = float(failures)
     metrics["reward/lost_workers"] = float(lost_workers)

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -240,6 +242,7 @@ def test_registry_holds_every_documented_estimator():
         "remax",
         "opo",
         "grpo_passk",
+        "grpo_process",
     }
 
 
@@ -248,3 +251,80 @@ def test_whitened_estimators_need_two_valid_tokens(estimator):
     r, m = outcome([1.0], width=1)
     with pytest.raises(ValueError, match="at least 2 valid"):
         compute_advantage(estimator, token_level_rewards=r, response_mask=m, values=r, index=[0])
+
+
+# ----------------------------------------------------------------------------- step-level rewards
+
+# Two responses to one prompt, 5 tokens each. Row 0 has steps ending at t = 1 (reward 1) and t = 3
+# (reward 0), and a trailing token t = 4 after its last step; row 1 has steps ending at t = 0, 2, 4
+# (rewards 1, 1, 1). Step rewards elsewhere in the rows are 0.
+STEP_R = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 0.0, 1.0]])
+STEP_M = torch.tensor([[0, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+
+
+def test_grpo_process_hand_worked():
+    # The group's step rewards {1, 0, 1, 1, 1}: mean 0.8, unbiased std sqrt((4·0.04 + 0.64)/4) = sqrt(0.2).
+    # Normalised: 1 → 0.2/sqrt(0.2) = sqrt(0.2) = 0.447214, 0 → −0.8/sqrt(0.2) = −4·sqrt(0.2) = −1.788854.
+    # A token's advantage sums the normalised rewards of the steps ending at or after it:
+    # row 0: t0, t1: s − 4s = −3s; t2, t3: −4s; t4: 0.   row 1: t0: 3s, t1, t2: 2s, t3, t4: s.
+    adv, ret = compute_advantage(
+        "grpo_process",
+        token_level_rewards=STEP_R,
+        response_mask=torch.ones(2, 5),
+        index=["a", "a"],
+        step_mask=STEP_M,
+        epsilon=0.0,
+    )
+    s = math.sqrt(0.2)
+    want = torch.tensor([[-3 * s, -3 * s, -4 * s, -4 * s, 0.0], [3 * s, 2 * s, 2 * s, s, s]])
+    torch.testing.assert_close(adv, want)
+    assert torch.equal(ret, adv)
+    # Without the std: centred rewards 0.2 and −0.8, summed the same way.
+    adv, _ = compute_advantage(
+        "grpo_process",
+        token_level_rewards=STEP_R,
+        response_mask=torch.ones(2, 5),
+        index=["a", "a"],
+        step_mask=STEP_M,
+        norm_adv_by_std_in_grpo=False,
+    )
+    torch.testing.assert_close(adv, torch.tensor([[-0.6, -0.6, -0.8, -0.8, 0.0], [0.6, 0.4, 0.4, 0.2, 0.2]]))
+
+
+def test_grpo_process_groups_by_id_and_equal_step_rewards_give_zero():
+    r = torch.cat([STEP_R, torch.full((2, 5), 0.1)])
+    m = torch.cat([STEP_M, STEP_M])
+    mask = torch.ones(4, 5)
+    mask[3, 3:] = 0  # a shorter row: its step at t = 4 is padding and does not count
+    adv, _ = compute_advantage(
+        "grpo_process", token_level_rewards=r, response_mask=mask, index=[0, 0, 1, 1], step_mask=m
+    )
+    assert (adv[2:] == 0).all()  # 0.1 everywhere: exactly 0, not 1e-17
+    alone, _ = compute_advantage(
+        "grpo_process",
+        token_level_rewards=STEP_R,
+        response_mask=torch.ones(2, 5),
+        index=[0, 0],
+        step_mask=STEP_M,
+    )
+    torch.testing.assert_close(adv[:2], alone)
+    with pytest.raises(ValueError, match="'grpo_process' needs 'step_mask'"):
+        compute_advantage("grpo_process", token_level_rewards=r, response_mask=mask, index=[0, 0, 1, 1])
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_gae_and_reinforce_pp_credit_every_reward_position(gamma):
+    # Step rewards at several positions of one row: 1 at t = 1 and 2 at t = 3 (5 tokens, the last one
+    # masked). With V ≡ 0 and λ = 1, GAE's raw advantage is the discounted return G_t = Σ_{k≥t} γ^(k−t) r_k:
+    # γ = 1: (3, 3, 2, 2, 0); γ = 0.5: G_3 = 2, G_2 = 0.5·2 = 1, G_1 = 1 + 0.5·1 = 1.5, G_0 = 0.75.
+    r = torch.tensor([[0.0, 1.0, 0.0, 2.0, 0.0]])
+    m = torch.tensor([[1, 1, 1, 1, 0]])
+    want = {1.0: [3.0, 3.0, 2.0, 2.0, 0.0], 0.5: [0.75, 1.5, 1.0, 2.0, 0.0]}[gamma]
+    _, gae_returns = compute_advantage(
+        "gae", token_level_rewards=r, response_mask=m, values=torch.zeros(1, 5), gamma=gamma, lam=1.0
+    )
+    _, rpp_returns = compute_advantage(
+        "reinforce_plus_plus", token_level_rewards=r, response_mask=m, gamma=gamma
+    )
+    assert gae_returns[0].tolist() == want
+    assert rpp_returns[0].tolist() == want

@@ -80,6 +80,7 @@ def estimator_inputs(gen, mask):
         "index": index,
         "values": randn(gen, mask),
         "reward_baselines": torch.randn(rows, generator=gen, dtype=torch.float64),
+        "step_mask": torch.rand(mask.shape, generator=gen) < 0.3,
         "gamma": 0.9,
         "lam": 0.95,
     }

@@ -66,3 +66,47 @@ def test_other_bad_input(tmp_path, tokenizer):
         PairDataset([{**ROW, "rejected": 3}], tokenizer)
     with pytest.raises(DataError, match=r"row 0 \(rejected\): 20 tokens, longer than data.max_length=19"):
         PairDataset([{**ROW, "chosen": "85"}], tokenizer, max_length=19)
+
+
+def test_unpaired_rows_and_pairs_give_labelled_examples_with_a_kl_partner(tokenizer):
+    from tearless.data.pairs import UnpairedDataset, side_lengths
+
+    rows = [
+        {"prompt": "1+1=", "completion": "2", "label": True},
+        {"prompt": "2+2=", "completion": "5", "label": False},
+        ROW,  # a pair: two examples, chosen desirable, rejected undesirable
+    ]
+    data = UnpairedDataset(rows, tokenizer, kl_seed=3)
+    assert len(data) == 4
+    assert [data[i]["label"] for i in range(4)] == [True, False, True, False]
+    # <|user|> 1 + 1 = <|end|> <|assistant|>: 7 prompt tokens, then "2" and <|end|>.
+    assert data[0]["completion_mask"] == [0] * 7 + [1, 1]
+    assert side_lengths([data[i] for i in range(4)], "completion").tolist() == [2, 2, 11, 11]
+    # Every KL sequence is its own prompt followed by another example's response, and the partners
+    # form one cycle: each response is borrowed exactly once.
+    borrowed = []
+    for i in range(4):
+        item = data[i]
+        prompt = item["completion_ids"][: item["completion_mask"].index(1)]
+        assert item["kl_ids"][: len(prompt)] == prompt
+        response = item["kl_ids"][len(prompt) :]
+        owners = [j for j in range(4) if j != i and data[j]["completion_ids"][-len(response) :] == response]
+        assert owners, i
+        borrowed.append(tokenizer.decode(response))
+    assert sorted(borrowed) == sorted(
+        ["2<|end|>", "5<|end|>", ROW["chosen"] + "<|end|>", ROW["rejected"] + "<|end|>"]
+    )
+
+
+def test_unpaired_errors_name_the_row(tokenizer):
+    from tearless.data.pairs import UnpairedDataset
+
+    with pytest.raises(DataError, match=r"row 0: column 'label' is 'yes'; a KTO label is true"):
+        UnpairedDataset([{"prompt": "1+1=", "completion": "2", "label": "yes"}, ROW], tokenizer)
+    with pytest.raises(
+        DataError,
+        match=r"row 0: missing column 'completion'; the row has columns \['label', 'prompt'\]\. An unpaired",
+    ):
+        UnpairedDataset([{"prompt": "1+1=", "label": True}, ROW], tokenizer)
+    with pytest.raises(DataError, match="KTO needs at least 2 examples"):
+        UnpairedDataset([{"prompt": "1+1=", "completion": "2", "label": True}], tokenizer)

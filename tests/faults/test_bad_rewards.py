@@ -48,9 +48,10 @@ _values = st.recursive(
 def test_any_return_value_becomes_a_finite_score_or_a_reason(value):
     outcome = check_value(value)
     if outcome[0] == "ok":
-        _, score, extras = outcome
+        _, score, extras, steps = outcome
         assert isinstance(score, float) and math.isfinite(score)
         assert all(isinstance(v, float) and math.isfinite(v) for v in extras.values())
+        assert steps is None or all(isinstance(v, float) and math.isfinite(v) for v in steps[0])
     else:
         assert outcome[0] == "err" and isinstance(outcome[1], str) and len(outcome[1]) < 400
 

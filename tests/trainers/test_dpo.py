@@ -10,13 +10,14 @@ import shutil
 import pytest
 import torch
 
-from tearless.algos import dpo_loss
+from tearless.algos import DPO_LOSSES, dpo_loss, kto_loss, kto_reference_point
 from tearless.cli import main
 from tearless.config import load_config
 from tearless.config.dpo import DPOConfig
-from tearless.data.pairs import PairDataset
+from tearless.data.pairs import PairDataset, UnpairedDataset, side_lengths
 from tearless.tasks import arithmetic
 from tearless.trainers.dpo import DPOTrainer, preference_step, reference_logps
+from tearless.trainers.kto import kto_step
 from tearless.trainers.tracking import read_metrics
 from tests.tolerances import gradient_terms, logprob_tol, sum_tol
 
@@ -73,12 +74,14 @@ def hand_logp(model, ids: list[int], mask: list[int]) -> float:
     return float((logps * torch.tensor(mask[1:])).sum())
 
 
-@pytest.mark.parametrize(
-    ("kind", "smoothing"), [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)]
-)
-def test_batch_loss_equals_dpo_loss_on_hand_computed_logprobs(dirs, kind, smoothing):
+SMOOTHING = {"cdpo": 0.2, "robust": 0.2, "exo_pair": 1e-3, "aot": 0.1, "cpo": 0.1, "simpo": 0.1}
+
+
+@pytest.mark.parametrize("kind", sorted(DPO_LOSSES))
+def test_batch_loss_equals_dpo_loss_on_hand_computed_logprobs(dirs, kind):
     from tearless.models.loading import load_causal_lm, load_tokenizer
 
+    smoothing = SMOOTHING.get(kind, 0.0)
     tok, model = load_tokenizer(dirs[0]), load_causal_lm(dirs[0])
     rows = [
         {"prompt": "12+9=", "chosen": "21", "rejected": "11"},
@@ -90,17 +93,24 @@ def test_batch_loss_equals_dpo_loss_on_hand_computed_logprobs(dirs, kind, smooth
     pc = torch.tensor([hand_logp(model, it["chosen_ids"], it["chosen_mask"]) for it in items])
     pr = torch.tensor([hand_logp(model, it["rejected_ids"], it["rejected_mask"]) for it in items])
     rc, rr = torch.tensor([ref[i][0] for i in range(3)]), torch.tensor([ref[i][1] for i in range(3)])
-    loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=smoothing, kind=kind)
+    # Responses plus <|end|>: (3, 3), (3, 4), (3, 2) tokens.
+    lengths = {"chosen_lengths": torch.tensor([3, 3, 3]), "rejected_lengths": torch.tensor([3, 4, 2])}
+    assert side_lengths(items, "rejected").tolist() == [3, 4, 2]
+    kw = dict(beta=0.5, label_smoothing=smoothing, kind=kind)
+    loss, chosen, rejected = dpo_loss(pc, pr, rc, rr, **kw, **lengths)
+    micro = None if kind.startswith("aot") else 2  # aot sorts the whole step's pairs
     got = preference_step(
-        model, items, ref, pad_token_id=tok.pad_token_id, beta=0.5, label_smoothing=smoothing, kind=kind,
-        micro_batch_size=2, train=False,
-    )  # fmt: skip
+        model, items, ref, pad_token_id=tok.pad_token_id, micro_batch_size=micro, train=False, **kw
+    )
     # Log-probs of responses agree to delta (sequence_logp_tol); the loss moves by at most its
-    # slope with respect to them (autograd at the hand values) times delta, a reward by β·delta.
+    # slope with respect to them (autograd at the hand values) times delta, a reward by β·delta
+    # (β·delta/L for the per-token rewards of simpo and orpo).
     delta = sequence_logp_tol(model, items)
     pc_, pr_ = pc.clone().requires_grad_(), pr.clone().requires_grad_()
-    slopes = torch.autograd.grad(dpo_loss(pc_, pr_, rc, rr, 0.5, smoothing, kind)[0], (pc_, pr_))
-    loss_tol = delta * sum(float(g.abs().sum()) for g in slopes)
+    slopes = torch.autograd.grad(
+        dpo_loss(pc_, pr_, rc, rr, **kw, **lengths)[0], (pc_, pr_), allow_unused=True
+    )
+    loss_tol = delta * sum(float(g.abs().sum()) for g in slopes if g is not None)
     assert got["loss"] == pytest.approx(loss.item(), abs=loss_tol)
     assert got["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=0.5 * delta)
     assert got["rewards/margins"] == pytest.approx((chosen - rejected).mean().item(), abs=2 * 0.5 * delta)
@@ -108,24 +118,27 @@ def test_batch_loss_equals_dpo_loss_on_hand_computed_logprobs(dirs, kind, smooth
     assert got["logps/rejected"] == pytest.approx(pr.mean().item(), abs=delta)
 
 
-def test_micro_batching_leaves_the_gradient_unchanged(dirs):
+@pytest.mark.parametrize("kind", ["sigmoid", "orpo", "kto"])
+def test_micro_batching_leaves_the_gradient_unchanged(dirs, kind):
+    # orpo's NLL is a token mean over the step's chosen responses (of 2 and 3 tokens here), and kto's
+    # reference point z a mean over the step's KL sequences: both stay whole-step quantities.
     from tearless.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(dirs[0])
-    data = PairDataset(
-        [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a)} for a in range(5)], tok
-    )
-    items = [data[i] for i in range(5)]
-    ref = {i: (-1.0 * i, -2.0) for i in range(5)}
+    rows = [{"prompt": f"{a}+1=", "chosen": str(a + 1), "rejected": str(a)} for a in range(5, 10)]
+    data = (UnpairedDataset if kind == "kto" else PairDataset)(rows, tok)
+    items = [data[i] for i in range(len(data))]
+    ref = {it["index"]: (-1.0 * i, -2.0) for i, it in enumerate(items)}
+    step = kto_step if kind == "kto" else preference_step
     grads = []
     for micro in (None, 2):
         model = load_causal_lm(dirs[0])
-        preference_step(model, items, ref, pad_token_id=tok.pad_token_id, beta=0.1, micro_batch_size=micro)
+        step(model, items, ref, pad_token_id=tok.pad_token_id, beta=0.1, kind=kind, micro_batch_size=micro)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     # Each entry sums every response token's contribution (a forward and a backward), in other
     # micro-batches and paddings: float32 rounding of such sums, relative to the largest entry
     # (safety 2: chosen and rejected pull in opposite directions, their terms partly cancel).
-    tokens = sum(sum(it["chosen_mask"]) + sum(it["rejected_mask"]) for it in items)
+    tokens = sum(sum(m for key, mask in it.items() if key.endswith("_mask") for m in mask) for it in items)
     atol = sum_tol(gradient_terms(model.config, tokens), float(grads[0].abs().max()), safety=2)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=atol)
 
@@ -208,11 +221,81 @@ def test_reference_free_rewards_are_beta_times_the_policy_logprobs(dirs, tmp_pat
     assert val["val/rewards/chosen"] == pytest.approx(beta * val["val/logps/chosen"], rel=1e-5)
 
 
+def test_kto_step_equals_kto_loss_on_hand_computed_logprobs(dirs):
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+
+    tok, model = load_tokenizer(dirs[0]), load_causal_lm(dirs[0])
+    rows = [
+        {"prompt": "12+9=", "completion": "21", "label": True},
+        {"prompt": "5+5=", "completion": "100", "label": False},
+        {"prompt": "40+2=", "completion": "42", "label": True},
+    ]
+    data = UnpairedDataset(rows, tok)
+    items = [data[i] for i in range(3)]
+    ref = {0: (-9.0, -8.0), 1: (-7.5, -12.0), 2: (-6.0, -5.0)}  # (response, KL sequence)
+    policy = torch.tensor([hand_logp(model, it["completion_ids"], it["completion_mask"]) for it in items])
+    kl_policy = torch.tensor([hand_logp(model, it["kl_ids"], it["kl_mask"]) for it in items])
+    z = kto_reference_point(kl_policy, torch.tensor([-8.0, -12.0, -5.0]))
+    desirable = torch.tensor([True, False, True])
+    kw = dict(beta=0.5, desirable_weight=1.0, undesirable_weight=1.5)
+    loss, rewards = kto_loss(policy, torch.tensor([-9.0, -7.5, -6.0]), desirable, z, **kw)
+    got = kto_step(model, items, ref, pad_token_id=tok.pad_token_id, micro_batch_size=2, train=False, **kw)
+    delta = max(
+        sequence_logp_tol(model, [{"chosen_mask": it["completion_mask"], "rejected_mask": it["kl_mask"]}])
+        for it in items
+    )
+    assert got["kl"] == pytest.approx(z.item(), abs=delta)
+    # kto's slope in each log-prob (and in z) is at most β/4 per example, times its weight, over 3.
+    assert got["loss"] == pytest.approx(loss.item(), abs=2 * 1.5 * 0.5 / 4 * delta)
+    assert got["rewards/chosen"] == pytest.approx(rewards[desirable].mean().item(), abs=0.5 * delta)
+    assert got["rewards/rejected"] == pytest.approx(rewards[1].item(), abs=0.5 * delta)
+    assert got["logps/rejected"] == pytest.approx(policy[1].item(), abs=delta)
+
+
+def test_a_kto_run_learns_and_resumes_and_orpo_uses_no_reference(dirs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    args = overrides(dirs, tmp_path / "kto", "algorithm.loss_type=kto", "algorithm.beta=0.5")
+    trainer = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
+    assert len(trainer.train_set) == 48  # 24 pairs, two examples each
+    stored = {k: dict(v) for k, v in trainer.ref.items()}
+    summary = trainer.fit()
+    before, after = summary["before"], summary["after"]
+    assert after["val/rewards/margins"] > before["val/rewards/margins"] + 0.5
+    assert after["val/loss"] < before["val/loss"]
+    final = tmp_path / "kto" / "global_step_18"
+    weights = AutoModelForCausalLM.from_pretrained(final / "actor").state_dict()
+    shutil.rmtree(final)
+    again = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
+    assert again.start_step == 15 and again.ref == stored
+    again.fit()
+    resumed = AutoModelForCausalLM.from_pretrained(final / "actor").state_dict()
+    assert all(torch.equal(weights[k], resumed[k]) for k in weights)
+
+    args = overrides(dirs, tmp_path / "orpo", "algorithm.loss_type=orpo", "model.ref_path=null")
+    orpo = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
+    assert set(orpo.ref["train"].values()) == {(0.0, 0.0)}
+    summary = orpo.fit()
+    assert summary["after"]["val/rewards/accuracies"] > summary["before"]["val/rewards/accuracies"]
+    assert summary["after"]["val/logps/chosen"] > summary["before"]["val/logps/chosen"]  # its NLL term
+
+
 def test_cli_config_errors(capsys):
-    assert main(["dpo", "algorithm.loss_type=kto"]) == 2
-    assert "algorithm.loss_type: 'kto' is not one of hinge, ipo, sigmoid" in capsys.readouterr().err
+    assert main(["dpo", "algorithm.loss_type=bco"]) == 2
+    assert "algorithm.loss_type: 'bco' is not one of aot, aot_unpaired, apo_down" in capsys.readouterr().err
     assert main(["dpo", "algorithm.loss_type=ipo", "algorithm.label_smoothing=0.1"]) == 2
-    assert "algorithm.label_smoothing: is only defined for loss_type=sigmoid" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert (
+        "algorithm.label_smoothing: is not defined for loss_type=ipo. Set it to 0 or use a loss type" in err
+    )
+    assert main(["dpo", "algorithm.label_smoothing=0.1"]) == 2
+    assert "TRL >= 0.29 ignores it for sigmoid: use algorithm.loss_type=robust" in capsys.readouterr().err
+    assert main(["dpo", "algorithm.loss_type=aot", "data.micro_batch_size_per_gpu=4"]) == 2
+    assert "aot sorts the margins of the whole step" in capsys.readouterr().err
+    assert main(["dpo", "algorithm.loss_type=orpo", "model.ref_path=/x"]) == 2
+    assert "model.ref_path: is set but loss_type=orpo here uses no reference" in capsys.readouterr().err
+    assert main(["dpo", "algorithm.loss_type=kto", "algorithm.reference_free=true"]) == 2
+    assert "algorithm.reference_free: loss_type=kto needs its reference" in capsys.readouterr().err
     assert main(["dpo", "--help", "algorithm.beta=0.3"]) == 0
     assert "algorithm.beta = 0.3\n    β" in capsys.readouterr().out
 
