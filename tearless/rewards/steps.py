@@ -102,6 +102,16 @@ def response_step_tokens(
     return out
 
 
+def score_positions(mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's last token with mask 1, where its score goes (0 for an empty row).
+
+    Not ``mask.sum(-1) - 1``: in a multi-turn rollout the mask has holes where tool output is, and
+    the last model token sits after them.
+    """
+    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)
+    return torch.where(mask.any(-1), last, 0)
+
+
 def token_level_rewards(
     scores: Sequence[float],
     steps: Sequence[tuple[Sequence[float], Sequence[int] | None] | None],
@@ -126,9 +136,8 @@ def token_level_rewards(
     count that differs from the separator's raises ValueError naming the sample.
     """
     batch, width = response_mask.shape
-    valid = response_mask.bool()
-    rows = valid.any(-1).nonzero().squeeze(-1)
-    last = width - 1 - valid.int().flip(-1).argmax(-1)
+    rows = response_mask.bool().any(-1).nonzero().squeeze(-1)
+    last = score_positions(response_mask)
     rewards = torch.zeros(batch, width, dtype=torch.float32)
     step_mask = torch.zeros(batch, width, dtype=torch.bool)
     if outcome_weight != 0.0:

@@ -51,16 +51,6 @@ def critic_enabled(cfg: Config) -> bool:
     return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
 
 
-def score_positions(mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of each row's last token with mask 1, where its score goes (0 for an empty row).
-
-    Not ``mask.sum(-1) - 1``: in a multi-turn rollout the mask has holes where tool output is, and
-    the last model token sits after them.
-    """
-    last = mask.shape[1] - 1 - mask.flip(-1).argmax(-1)
-    return torch.where(mask.any(-1), last, 0)
-
-
 def uid_index(uids: list[str]) -> torch.Tensor:
     """Each row's group as a small integer (first appearance order), so tensors can carry the uid."""
     ids: dict[str, int] = {}

@@ -69,7 +69,7 @@ def pipe_writer(data_source, solution_str, ground_truth, extra_info=None):
         for fd in range(3, 64):
             try:
                 if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    Connection(os.dup(fd)).send_bytes(pickle.dumps((999, ("ok", 1.0, {}))))
+                    Connection(os.dup(fd)).send_bytes(pickle.dumps((999, ("ok", 1.0, {}, None))))
             except OSError:
                 continue
     return float(len(solution_str))
@@ -108,8 +108,8 @@ def test_an_answer_forged_on_the_pipe_costs_the_worker_not_the_batch():
 def test_absurd_scores_are_failures_and_absurd_extras_dropped():
     assert check_value(1e39)[0] == "err" and "absurd" in check_value(1e39)[1]
     assert check_value(-2e6)[0] == "err"
-    assert check_value(MAX_ABS_SCORE) == ("ok", MAX_ABS_SCORE, {})
-    assert check_value({"score": 0.5, "big": 1e39, "fine": 3}) == ("ok", 0.5, {"fine": 3.0})
+    assert check_value(MAX_ABS_SCORE) == ("ok", MAX_ABS_SCORE, {}, None)
+    assert check_value({"score": 0.5, "big": 1e39, "fine": 3}) == ("ok", 0.5, {"fine": 3.0}, None)
 
 
 def test_sys_exit_in_the_in_process_manager_is_a_failed_sample():

@@ -12,8 +12,8 @@ from tensordict import TensorDict
 from tearless.algos import compute_advantage
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
+from tearless.rewards.steps import score_positions
 from tearless.tasks.bootstrap import tiny_llama
-from tearless.trainers.rl import score_positions
 from tearless.workers.actor import Actor
 from tests.tolerances import sum_tol
 
