@@ -26,7 +26,8 @@ def train(
     dotted ``key=value`` strings applied last; ``preset`` (``grpo``, ``ppo``, ``dapo``, …) is merged
     before both. ``reward_fn`` is a Python callable with veRL's
     signature ``(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`` that
-    replaces the built-in scorers (it runs in forked worker processes, so closures work).
+    replaces the built-in scorers (it runs where rewards are scored: forked reward workers, so
+    closures work, or Ray worker processes, which unpickle it).
     """
     from tearless.config import load_config
     from tearless.trainers.rl import RLTrainer

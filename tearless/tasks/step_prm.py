@@ -50,13 +50,14 @@ def labelled_answers(
     from tearless.data import render_prompt
     from tearless.rewards.prm import encode_steps
     from tearless.rollout.hf import HFRollout
+    from tearless.rollout.seeds import prompt_keys
 
     rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     out = rollout.generate(
         [render_prompt(tokenizer, r["prompt"]) for r in rows],
         n=samples_per_prompt,
         max_new_tokens=chain_addition.RESPONSE_TOKENS,
-        generator=torch.Generator().manual_seed(seed),
+        keys=prompt_keys(seed, 0, 0, len(rows)),
     )
     examples = []
     for j, (ids, mask) in enumerate(zip(out.response_ids, out.response_mask, strict=True)):
@@ -198,13 +199,14 @@ def outcome_rows(
     sampled answers of ``model``; the prompt row's ``data_source``, ``reward_model``, ``extra_info`` kept."""
     from tearless.data import render_prompt
     from tearless.rollout.hf import HFRollout
+    from tearless.rollout.seeds import prompt_keys
 
     rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     out = rollout.generate(
         [render_prompt(tokenizer, r["prompt"]) for r in rows],
         n=samples_per_prompt,
         max_new_tokens=chain_addition.RESPONSE_TOKENS,
-        generator=torch.Generator().manual_seed(seed),
+        keys=prompt_keys(seed, 0, 0, len(rows)),
     )
     result = []
     for j, (ids, mask) in enumerate(zip(out.response_ids, out.response_mask, strict=True)):

@@ -101,7 +101,7 @@ def assert_same_sgd_result(b, a, start, steps, n_terms, msg=None):
     travelled (safety 2: the gradient entries are sums with some cancellation between tokens).
     """
     moved = float((a - start).detach().abs().max())
-    atol = steps * eps(a.dtype) * float(a.abs().max()) + sum_tol(n_terms, moved, a.dtype, safety=2)
+    atol = steps * eps(a.dtype) * float(a.detach().abs().max()) + sum_tol(n_terms, moved, a.dtype, safety=2)
     torch.testing.assert_close(b, a, atol=atol, rtol=0, msg=msg)
 
 
