@@ -259,7 +259,7 @@ class RayWorkers(WorkerGroup):
                 "open_weight_sync", [(address, 1 + i, sync_world) for i in range(split)]
             )
             wait_all(pending, "weight-sync setup", actor.timeout_s)
-            self.after_update()
+            self.sync_weights()
         elif self.cfg.actor_rollout_ref.rollout.name != "hf":
             actor.call("sync_engine", [()] * actor.world, "first weight load into the engines")
 
@@ -275,17 +275,16 @@ class RayWorkers(WorkerGroup):
             pools.append(self.pool_of["critic"])
         return [next(r for r in ("actor", "critic") if self.pool_of.get(r) == p) for p in pools]
 
-    def after_update(self) -> dict[str, float]:
+    def sync_weights(self) -> None:
         """Split placement: the training ranks gather and send the policy while every rollout rank
-        receives it, at once; the slowest side's seconds."""
+        receives it, at once."""
         if "rollout" not in self.pools:
-            return {}
+            return
         actor = self.pools[self.pool_of["actor"]]
         rollout = self.pools["rollout"]
         pending = actor.submit("send_weights", [()] * actor.world)
         pending += rollout.submit("receive_weights", [()] * rollout.world)
-        seconds = wait_all(pending, "weight broadcast", actor.timeout_s)
-        return {"timing_s/update_weights": max(seconds)}
+        wait_all(pending, "weight broadcast", actor.timeout_s)
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -257,6 +257,8 @@ class RLTrainer:
             if step > t.critic_warmup:
                 with timer("update_actor"):
                     metrics.update(self.workers.update_policy(td, generator=step_generator(t.seed, step, 1)))
+                with timer("update_weights"):  # to separate rollout workers (split placement)
+                    self.workers.sync_weights()
             self.workers.check_weights(step, (td["prompt_ids"][:1], td["prompt_mask"][:1]))
         out = rollout.out
         metrics.update(

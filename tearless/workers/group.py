@@ -85,9 +85,9 @@ class WorkerGroup:
     def close(self) -> None:
         raise NotImplementedError
 
-    def after_update(self) -> dict[str, float]:
-        """Bring separate rollout workers the new policy (split placement); metrics of it."""
-        return {}
+    def sync_weights(self) -> None:
+        """Bring separate rollout workers the policy after an update (split placement; in the hybrid
+        placement the engines already sample from the trained weights, or took them in-process)."""
 
     # ------------------------------------------------------------------ rollout
     def generate(
@@ -180,7 +180,7 @@ class WorkerGroup:
         """The actor's PPO epochs over ``td`` on every training rank; averaged metrics."""
         arr = self.cfg.actor_rollout_ref
         detached = on_policy(arr.actor, td.batch_size[0] // arr.rollout.n)
-        metrics = policy_update(
+        return policy_update(
             arr.actor,
             arr.rollout.n,
             td,
@@ -190,8 +190,6 @@ class WorkerGroup:
             entropy_of=lambda rows: self.compute_log_prob("actor", rows, with_entropy=True)[1],
             loss_scale_factor=loss_scale_factor(self.cfg),
         )
-        metrics.update(self.after_update())
-        return metrics
 
     def update_critic(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """The critic's epochs over ``td`` (needs ``values`` and ``returns``); averaged metrics."""

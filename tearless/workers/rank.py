@@ -269,7 +269,7 @@ class Rank:
             self.engine.load_weights(
                 hf_weights(unit.model, resolve_dtype(rollout_dtype(cfg, self.spec.device)))
             )
-            shared["timing_s/update_weights"] = time.perf_counter() - start
+            shared["timing_s/engine_load_weights"] = time.perf_counter() - start
         return additive, shared
 
     # ------------------------------------------------------------------ weights for separate engines
@@ -292,21 +292,17 @@ class Rank:
             timeout_s=self.spec.cfg.trainer.worker_timeout_s,
         )
 
-    def send_weights(self) -> float:
+    def send_weights(self) -> None:
         """Training ranks: gather the policy one tensor at a time; rank 0 broadcasts it to the rollout
-        ranks. Returns the seconds it took."""
-        start = time.perf_counter()
+        ranks."""
         dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
         for _, tensor in hf_weights(self.roles["actor"].model, dtype):
             if self.weight_sync is not None:
                 self.weight_sync.broadcast(tensor.to(self.device).contiguous())
-        return time.perf_counter() - start
 
-    def receive_weights(self) -> float:
+    def receive_weights(self) -> None:
         """Rollout ranks: take the policy broadcast by training rank 0 into the engine."""
-        start = time.perf_counter()
         self.engine.load_weights(self._received())
-        return time.perf_counter() - start
 
     def _received(self) -> Iterator[tuple[str, torch.Tensor]]:
         dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
