@@ -16,8 +16,9 @@ from tearless import cpu
 pytestmark = pytest.mark.skipif(cpu.glibc() is None, reason="glibc malloc only (Linux)")
 
 # One step: forward and backward of a tiny HF Llama (the update's allocation pattern: activations
-# written in the forward, freed by the backward). The median of steps 2-6's minor page faults is
-# taken before and after configure_cpu().
+# written in the forward, freed by the backward). The median minor page faults of five steps, after
+# three unmeasured ones (the heap settles at the size the step needs), is taken before and after
+# configure_cpu().
 PROBE = """
 import json, resource, sys
 import torch
@@ -39,7 +40,8 @@ def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 def faults_per_step():
-    step()
+    for _ in range(3):
+        step()
     counts = []
     for _ in range(5):
         start = faults()
@@ -69,12 +71,12 @@ def test_freed_memory_is_reused_without_page_faults() -> None:
     got = probe(threads=1, keep=True)
     # glibc's default gives the heap's free top back after a backward and faults it in again at the
     # next forward (1,500-4,500 pages of 4 KiB per step here, ~7,000 on the small benchmark case).
-    # With the setting the step reuses the freed memory: about 1 fault per step in isolation, but a
-    # loaded machine (the full suite, another process sharing the cores) adds unrelated faults, up to
-    # ~100 seen, so an absolute ceiling is flaky. The claim is a relative one: at least a 10x drop
+    # With the setting the step reuses the freed memory: 0-1 faults per step in isolation, but a
+    # loaded machine adds faults the process did not cause (up to 576 per step seen in one CI run of
+    # the full suite), so an absolute ceiling is flaky. The claim is a relative one: at least a 5x drop
     # (a malloc left alone faults in the same ~before pages again and fails it by a wide margin).
-    assert got["before"] >= 100
-    assert got["after"] <= got["before"] / 10, got
+    assert got["before"] >= 100, got
+    assert got["after"] <= got["before"] / 5, got
     assert got["threads"] == 1
 
 

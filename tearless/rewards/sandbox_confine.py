@@ -14,7 +14,9 @@ The new root is a read-only tmpfs holding only: the interpreter's directories (`
 base prefix, the executable's directory) and the system library directories (``/lib*``,
 ``/usr/lib*``, ``/etc/ld.so.cache``), bound read-only (their sub-mounts too); ``/dev/null``,
 ``zero``, ``full``, ``random``, ``urandom``; a private ``/dev/shm`` tmpfs; and ``/tmp``, the program's
-scratch directory, a private tmpfs of ``file_size_mb``. There is no ``/proc``, no ``/sys``, no home
+scratch directory, a private tmpfs of ``file_size_mb`` (an interpreter that lives under ``/tmp``, such
+as a CI job's virtualenv, is bound read-only at its path inside it: the program sees that directory
+there and cannot remove it). There is no ``/proc``, no ``/sys``, no home
 directory, no data file and no other process: the PID namespace holds only the sandbox's own
 processes, and the network namespace only a loopback interface that is down.
 """

@@ -1,8 +1,9 @@
 """Run a Python file as a fresh unprivileged user (a test helper; needs root to start).
 
-``python as_user.py SCRIPT [ARGS…]``: enters a private mount namespace, makes the interpreter
-reachable if it lives under a directory other users cannot enter (``/root/.pyenv`` here: ``/root``
-is covered with an empty tmpfs and the interpreter's directories bound back), switches to uid and
+``python as_user.py SCRIPT [ARGS…]``: enters a private mount namespace, makes the interpreter and
+this checkout reachable if they live under a directory other users cannot enter (``/root/.pyenv``
+here, or a clone and venv under a ``mktemp -d`` directory: that directory is covered with an empty
+tmpfs and the needed directories bound back), switches to uid and
 gid ``0x30000000 + pid`` with no groups, and runs SCRIPT as ``__main__``. What it shows is what a
 user without root gets: the process has no capability and owns nothing on the host.
 """
@@ -21,8 +22,12 @@ def _check(result: int, what: str) -> None:
 
 
 def expose_interpreter(lib) -> None:
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     needed = sorted(
-        {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable))}
+        {
+            os.path.realpath(p)
+            for p in (sys.prefix, sys.base_prefix, os.path.dirname(sys.executable), checkout)
+        }
     )
     covers = set()
     for path in needed:
