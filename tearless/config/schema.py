@@ -59,6 +59,11 @@ class ModelConfig:
     )
     tokenizer_path: str | None = doc(None, "tokenizer directory; null = model.path")
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
+    use_remove_padding: bool = doc(
+        False,
+        "padding-free forwards: each micro-batch's valid tokens packed into one row with per-sequence "
+        "position ids and block-diagonal attention (veRL key)",
+    )
     dtype: str = doc("float32", "parameter dtype: float32 | bfloat16 | float16 (fp32 on CPU)")
     share_prompt_forward: bool = doc(
         True,
@@ -265,6 +270,11 @@ class CriticModelConfig:
         None, "unused by tearless (the actor's tokenizer is used); accepted for veRL configs"
     )
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
+    use_remove_padding: bool = doc(
+        False,
+        "padding-free forwards: each micro-batch's valid tokens packed into one row with per-sequence "
+        "position ids and block-diagonal attention (veRL key)",
+    )
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
