@@ -50,9 +50,9 @@ def test_unknown_key_names_it_and_suggests_the_close_match():
     assert "actor_rollout_ref.actor.clip_ratio" in msg
 
 
-def test_an_unsupported_verl_key_fails_naming_it():
-    msg = fails("actor_rollout_ref.model.use_remove_padding=true")
-    assert "unknown config key 'actor_rollout_ref.model.use_remove_padding'" in msg
+def test_a_misspelt_key_fails_naming_it():
+    msg = fails("actor_rollout_ref.model.use_remove_paddings=true")
+    assert "unknown config key 'actor_rollout_ref.model.use_remove_paddings'" in msg
 
 
 def test_wrong_type_names_the_key_and_the_value():
