@@ -1,7 +1,10 @@
 """tearless: RL post-training that runs on a laptop CPU and scales out.
 
-``tearless.train(config, overrides)`` runs the RL trainer from Python; heavy modules (torch,
-transformers) are imported only when something is used, so ``import tearless`` stays cheap.
+The Python API (:mod:`tearless.api`): ``tearless.Trainer(model, reward_funcs, args=tearless.RLConfig(...),
+train_dataset=rows).train()``, with the config objects ``RLConfig``, ``SFTConfig``, ``DPOConfig`` and
+their sections (``DataConfig``, ``ActorConfig``, …). ``tearless.train(config, overrides)`` is the
+same from a config and dotted overrides. Heavy modules (torch, transformers) are imported only when
+something is used, so ``import tearless`` stays cheap.
 """
 
 from __future__ import annotations
@@ -10,6 +13,32 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 __version__ = "0.1.0"
+
+# Names served lazily from tearless.api (PEP 562), so that importing tearless imports no config code.
+_API = (
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "CriticConfig",
+    "DPOConfig",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RLConfig",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "Trainer",
+    "TrainerConfig",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        from tearless import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'tearless' has no attribute {name!r}")
 
 
 def train(
@@ -22,18 +51,17 @@ def train(
 ) -> dict[str, Any]:
     """Run RL training and return its summary (run directory, validation before and after).
 
-    ``config`` is a :class:`tearless.config.Config`, a nested dict or a YAML path; ``overrides`` are
-    dotted ``key=value`` strings applied last; ``preset`` (``grpo``, ``ppo``, ``dapo``, …) is merged
+    ``config`` is a :class:`tearless.RLConfig`, a nested dict or a YAML path; ``overrides`` are dotted
+    ``key=value`` strings applied last; ``preset`` (``grpo``, ``ppo``, ``dapo``, …) is merged
     before both. ``reward_fn`` is a Python callable with veRL's
     signature ``(data_source, solution_str, ground_truth, extra_info=None) -> float | dict`` that
     replaces the built-in scorers (it runs where rewards are scored: forked reward workers, so
-    closures work, or Ray worker processes, which unpickle it).
+    closures work, or Ray worker processes, which unpickle it). The same as
+    ``tearless.Trainer(reward_funcs=reward_fn, args=config, overrides=overrides, preset=preset).train()``.
     """
-    from tearless.config import load_config
-    from tearless.trainers.rl import RLTrainer
+    from tearless.api import Trainer
 
-    cfg = load_config(config, overrides, preset=preset)
-    return RLTrainer(cfg, reward_fn=reward_fn, log=log).fit()
+    return Trainer(reward_funcs=reward_fn, args=config, overrides=overrides, preset=preset, log=log).train()
 
 
-__all__ = ["__version__", "train"]
+__all__ = ["__version__", "train", *_API]

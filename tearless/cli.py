@@ -68,13 +68,16 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command in ("sft", "dpo"):
         return _offline(args)
-    from tearless.config import ConfigError, describe, load_config
+    from tearless.api import Trainer
+    from tearless.config import ConfigError, describe
 
     overrides = list(args.overrides)
     if getattr(args, "fresh", False):
         overrides.append("task.fresh=true")
+    # The CLI is a thin layer over the Python API: the same Trainer, built from the command line.
+    trainer = Trainer(args=args.config, overrides=overrides, preset=getattr(args, "preset", None))
     try:
-        cfg = load_config(args.config, overrides, preset=getattr(args, "preset", None))
+        cfg = trainer.resolved_config()
     except ConfigError as e:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     from tearless.trainers.checkpoint import CheckpointError
     from tearless.trainers.guards import WeightsNotFinite
     from tearless.trainers.resume_compat import ResumeMismatch
-    from tearless.trainers.rl import RLTrainer, TrainingStopped
+    from tearless.trainers.rl import TrainingStopped
     from tearless.trainers.runlock import RunLocked
 
     explained = (
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         ResumeMismatch, WeightsNotFinite, RewardError, RewardFunctionError, UnknownDataSource,
     )  # fmt: skip
     try:
-        summary = RLTrainer(cfg).fit()
+        summary = trainer.train()
     except explained as e:
         # Bad input and clean stops carry their own explanation; a traceback would only bury it.
         print(f"tearless: error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,16 @@ class TrainingStopped(RuntimeError):
 class RLTrainer:
     """The RL trainer. ``RLTrainer(cfg).fit()`` runs the whole training in the configured placement."""
 
-    def __init__(self, cfg: Config, *, reward_fn: Callable[..., Any] | None = None, log=print) -> None:
-        self.cfg, self.log = cfg, log
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        reward_fn: Callable[..., Any] | None = None,
+        log=print,
+        callbacks: Sequence[Callable[[int, dict], None]] = (),
+    ) -> None:
+        # callbacks: ``callback(step, metrics)`` after each logged step (tearless.api.Trainer's).
+        self.cfg, self.log, self.callbacks = cfg, log, list(callbacks)
         t, data, arr = cfg.trainer, cfg.data, cfg.actor_rollout_ref
         torch.manual_seed(t.seed)
         random.seed(t.seed)
@@ -468,6 +476,7 @@ class RLTrainer:
             project=t.project_name,
             experiment=t.experiment_name,
             log_freq=t.log_freq,
+            callbacks=self.callbacks,
         )
         tracker.start_at(self.start_step)
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "start_step": self.start_step}

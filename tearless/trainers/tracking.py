@@ -13,6 +13,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +85,12 @@ class Tracker:
         log_freq: int = 10,
         stream=None,
         key_metrics: dict[str, str] | None = None,
+        callbacks: Sequence[Callable[[int, dict], None]] = (),
     ) -> None:
         # key_metrics: metric → short name shown on the progress bar; a record holding one of them
         # is a training step (the RL loop's by default; the SFT and DPO trainers pass theirs).
+        # callbacks: called as callback(step, metrics) after every other sink has the record.
+        self.callbacks = list(callbacks)
         self.key_metrics = KEY_METRICS if key_metrics is None else key_metrics
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +100,8 @@ class Tracker:
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if "jsonl" in loggers else None
         self.bar = None
         if "console" in loggers:
-            from tqdm import tqdm
+            # tqdm.auto: a widget in Jupyter (with ipywidgets), plain text in a terminal.
+            from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, desc="train", file=self.stream, dynamic_ncols=True)
         self.tb = None
@@ -149,6 +154,8 @@ class Tracker:
             self.bar.update(step - self.bar.n)
             if self.log_freq > 0 and step % self.log_freq == 0:
                 self.print_table(clean, step)
+        for callback in self.callbacks:
+            callback(step, dict(clean))
 
     def print_table(self, metrics: dict[str, Any], step: int) -> None:
         keys = sorted(k for k in metrics if isinstance(metrics[k], float))
