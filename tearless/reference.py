@@ -135,8 +135,9 @@ def cli_reference() -> str:
 
 def rst_to_markdown(docstring: str) -> str:
     """A docstring's reST maths and literals as Markdown for pymdownx.arithmatex: ``.. math::`` blocks
-    (with their indented continuation lines) become ``$$`` blocks, ``:math:`x``` becomes ``$x$`` and
-    double-backquoted literals single-backquoted code."""
+    (with their indented continuation lines) become ``$$`` blocks, ``:math:`x``` becomes ``$x$``,
+    cross-reference roles and double-backquoted literals single-backquoted code. The docs site runs
+    every docstring through it (``mkdocs_griffe.py``)."""
     lines = inspect.cleandoc(docstring).splitlines()
     out: list[str] = []
     i = 0
@@ -154,6 +155,13 @@ def rst_to_markdown(docstring: str) -> str:
         out += ["", "$$", *[b for b in body if b], "$$", ""]
     text = "\n".join(out)
     text = re.sub(r":math:`([^`]+)`", r"$\1$", text)
+    # Cross-reference roles (:class:`~tearless.config.Config`) become code: Config.
+    # (reST's ~ shows the last component only).
+    text = re.sub(
+        r":(?:class|func|data|mod|meth|attr|exc|obj):`(~?)([^`]+)`",
+        lambda m: f"``{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}``",
+        text,
+    )
     return re.sub(r"``([^`]+)``", r"`\1`", text)
 
 

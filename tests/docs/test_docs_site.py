@@ -10,10 +10,12 @@ import yaml
 from tearless.reference import (
     CLI_MARKER,
     CONFIG_MARKER,
+    FORMULAS_MARKER,
     _cell,
     cli_reference,
     config_reference,
     render,
+    rst_to_markdown,
     schema_keys,
     schemas,
 )
@@ -104,3 +106,29 @@ def test_the_readme_is_short_and_its_two_commands_are_the_ones_ci_runs():
     assert test_command.replace("pip install", "python -m pip install -q") in ci
     assert "pip install -c constraints.txt torch==2.13.0 -e . && tearless train" in readme
     assert "mkdocs build --strict" in readme and "mkdocs build --strict" in ci
+
+
+def test_rst_maths_and_roles_become_markdown_maths_and_code():
+    doc = """GRPO.
+
+        .. math:: A_i = \\frac{R_i - \\mu}{\\sigma} \\quad
+                  (\\text{Dr. GRPO: no } \\sigma)
+
+        keeps :math:`R_i/(1+\\epsilon)`; see :class:`~tearless.config.Config` and ``index``.
+        """
+    assert rst_to_markdown(doc) == (
+        "GRPO.\n\n\n$$\nA_i = \\frac{R_i - \\mu}{\\sigma} \\quad\n(\\text{Dr. GRPO: no } \\sigma)\n$$\n\n\n"
+        "keeps $R_i/(1+\\epsilon)$; see `Config` and `index`."
+    )
+
+
+def test_the_formulas_page_has_every_estimator_and_policy_loss():
+    from tearless.algos import ADV_ESTIMATORS, POLICY_LOSSES
+
+    page = render((DOCS / "algorithms.md").read_text())
+    assert FORMULAS_MARKER not in page and ".. math::" not in page and ":math:" not in page
+    headings = set(re.findall(r"^### (.+)$", page, flags=re.M))
+    named = {name.strip("`") for h in headings for name in h.split(", ")}
+    assert set(ADV_ESTIMATORS) | set(POLICY_LOSSES) <= named
+    grpo = page[page.index("### `grpo`") :]
+    assert "$$\nA_i = \\frac{R_i - \\mu_{g(i)}}{\\sigma_{g(i)} + \\epsilon}" in grpo
