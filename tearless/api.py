@@ -236,6 +236,11 @@ def _save_model(model: Any, tokenizer: Any) -> str:
         raise TypeError(
             f"model must be a model directory or a transformers PreTrainedModel, not {type(model).__name__}"
         )
+    if hasattr(model, "peft_config"):
+        raise ValueError(
+            "model is a peft model, whose save_pretrained writes only its adapter: pass "
+            "model.merge_and_unload(), or the base model with actor_rollout_ref.model.lora_rank set"
+        )
     if tokenizer is None:
         source = getattr(model, "name_or_path", "") or ""
         if not (source and Path(source).is_dir()):

@@ -132,6 +132,11 @@ def test_a_pretrained_model_is_cached_by_content_and_needs_its_tokenizer(task, c
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     assert Trainer(model=model).resolved_config().actor_rollout_ref.model.path != path
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="merge_and_unload"):
+        Trainer(model=adapted, processing_class=tokenizer).resolved_config()
+    model = adapted.unload()
     model.name_or_path = ""
     with pytest.raises(ValueError, match="pass processing_class=tokenizer"):
         Trainer(model=model).resolved_config()
