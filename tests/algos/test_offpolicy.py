@@ -101,5 +101,6 @@ def test_decoupled_ppo_is_the_clipped_loss_around_the_proximal_policy_weighted_b
     )
     assert float(loss.detach()) == pytest.approx(-0.58, abs=sum_tol(2, 1.8, safety=4))
     # Both tokens are clipped (r outside [0.8, 1.2] on the side the advantage pushes): no gradient.
+    assert float(m["pg_clipfrac"]) == 1.0
     (g,) = torch.autograd.grad(loss, current)
     assert g.abs().max() == 0
