@@ -138,7 +138,9 @@ class RLTrainer:
         )
         if resume_dir:
             self._load_state(resume_dir)
+        # async_training: generation runs ahead of the updates (trainers/async_loop.py, docs/async.md).
         self.pipeline = AsyncPipeline(self) if cfg.async_training.enable else None
+        self._collect = self.pipeline.collect if self.pipeline else partial(collect, self)
 
     # ---------------------------------------------------------------- setup helpers
     def _resolve_paths(self) -> tuple[str, Any, Any, str | None]:
@@ -248,9 +250,7 @@ class RLTrainer:
         t = self.cfg.trainer
         timer = Timer()
         with timer("step"):
-            rollout, uids, metrics = (self.pipeline.collect if self.pipeline else partial(collect, self))(
-                step, timer
-            )
+            rollout, uids, metrics = self._collect(step, timer)
             td = self.batch(rollout, uids)
             self.forward_passes(td, rollout, metrics, timer)
             with timer("adv"):

@@ -60,13 +60,17 @@ def test_max_staleness_zero_is_the_synchronous_run(overrides, tmp_path):
 def test_an_injected_stale_batch_is_weighted_and_dropped_as_computed_by_hand(overrides, task, tmp_path):
     """Step 3 of a one-step-off run (policy version 2) trains on a batch handed in with known
     behaviour log-probs and versions: four prompts × n = 4 responses, each group's behaviour
-    log-probs the trainer's π_old minus a known shift δ per token."""
+    log-probs the trainer's π_old minus a known shift δ per token. TIS clips to [½, 2]; masked IS
+    rejects token ratios outside [0.3, 2.5]."""
     keys = (
         "async_training.enable=true",
         "async_training.max_staleness=1",
         "algorithm.rollout_correction.rollout_is=token",
         "algorithm.rollout_correction.rollout_is_threshold=2.0",
         "algorithm.rollout_correction.rollout_is_threshold_lower=0.5",
+        "algorithm.rollout_correction.rollout_rs=token",
+        "algorithm.rollout_correction.rollout_rs_threshold=2.5",
+        "algorithm.rollout_correction.rollout_rs_threshold_lower=0.3",
         "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "trainer.total_training_steps=3",
@@ -102,6 +106,9 @@ def test_an_injected_stale_batch_is_weighted_and_dropped_as_computed_by_hand(ove
     assert m["rollout_corr/is_weight_mean"] == pytest.approx(expected, abs=tol)
     assert m["rollout_corr/is_clip_frac"] == pytest.approx(t0 / (t0 + t1 + t2))
     assert m["rollout_corr/is_clip_frac_low"] == pytest.approx(t1 / (t0 + t1 + t2))
+    # masked IS, band [0.3, 2.5]: group 0's ratio 3 and group 1's ¼ leave it, group 2's 1 stays
+    assert m["rollout_corr/rs_masked_frac"] == pytest.approx((t0 + t1) / (t0 + t1 + t2))
+    assert m["rollout_corr/rs_seq_masked_frac"] == pytest.approx(8 / 12)
 
 
 @pytest.mark.slow
@@ -112,7 +119,7 @@ def test_resume_regenerates_the_in_flight_batch(overrides, tmp_path):
     # Three prompt batches were drawn by the end of step 2 (step 3's was in flight): two are saved.
     assert state["batches_consumed"] == 2 and state["policy_version"] == 2
     full = read_metrics(tmp_path / "a" / "metrics.jsonl")
-    assert [r["async/staleness_max"] for r in full[1:]] == [0, 1, 1, 1]
+    assert [r["async/staleness_max"] for r in full] == [0, 1, 1, 1]
     # Resume from step 2: step 3's prompts are drawn again and generated with the restored weights.
     import shutil
 
