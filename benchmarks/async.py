@@ -2,9 +2,10 @@
 
 1 training worker + 1 rollout worker (Ray, one thread each) train the default GRPO run on the
 embedded task (16 prompts × 8 responses a step, where generation and the update cost about the same)
-for ``--steps`` steps, synchronously and with ``async_training.max_staleness=1``, for each seed. The
-runs of a seed go one after the other, the modes alternating in order from seed to seed (sync first
-for odd seeds, async first for even ones), so that load drifting over time hits both. Per run:
+for ``--steps`` steps, synchronously and with ``async_training.max_staleness=1`` (with token-level
+TIS, which needs the trainer's π_old forward, and without a correction), for each seed. The runs of
+a seed go one after the other, the order of the modes reversed from seed to seed, so that load
+drifting over time hits all of them. Per run:
 steps per second over the steps after the first (1 / median ``timing_s/step``, and the steps after
 the first over their summed step time), the medians of the step's phases, and greedy held-out
 accuracy after the last step (the same number of samples in both modes).
@@ -35,11 +36,13 @@ SPLIT = [
 ]
 MODES = {
     "sync": ["async_training.enable=false"],
-    "async k=1": [
+    "async k=1 + TIS": [
         "async_training.enable=true",
         "async_training.max_staleness=1",
         "algorithm.rollout_correction.rollout_is=token",
     ],
+    # Without a correction the trainer skips the π_old forward, as the synchronous run does.
+    "async k=1": ["async_training.enable=true", "async_training.max_staleness=1"],
 }
 TIMINGS = (
     "step",

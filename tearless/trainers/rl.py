@@ -332,7 +332,6 @@ class RLTrainer:
             or alg.use_kl_in_reward
             or any(v is not None for v in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
             or arr.rollout.name != "hf"
-            or metrics.get("async/staleness_max", 0) > 0  # measure the policy lag (rollout_corr/*)
         ):
             with timer("old_log_prob"):
                 td["old_log_prob"], _ = self.workers.compute_log_prob("actor", td)

@@ -129,3 +129,23 @@ def test_resume_regenerates_the_in_flight_batch(overrides, tmp_path):
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed[2]["async/staleness_max"] == 0  # regenerated, not the old in-flight samples
     assert resumed[3]["async/staleness_max"] == 1
+
+
+@pytest.mark.slow
+def test_gae_with_bypass_mode_clips_around_the_stale_behaviour_policy(overrides, tmp_path):
+    """PPO with a critic, one-step-off, π_old taken from the rollout (bypass_mode): at step 1 the
+    behaviour policy is the current one (ratio 1 up to the engine's rounding); at step 2 the samples
+    come from the weights before step 1's update, so the PPO ratio moves away from 1."""
+    keys = (
+        "async_training.enable=true",
+        "async_training.max_staleness=1",
+        "algorithm.adv_estimator=gae",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "trainer.total_training_steps=2",
+        *FAST,
+    )
+    train(None, overrides(tmp_path, *keys), **QUIET)
+    first, second = read_metrics(tmp_path / "metrics.jsonl")
+    assert (first["async/staleness_max"], second["async/staleness_max"]) == (0, 1)
+    assert "critic/vf_explained_var" in second and "rollout_corr/kl" not in second
+    assert abs(second["actor/ppo_kl"]) > 100 * abs(first["actor/ppo_kl"]) + 1e-7
