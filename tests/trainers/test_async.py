@@ -73,7 +73,7 @@ def test_an_injected_stale_batch_is_weighted_and_dropped_as_computed_by_hand(ove
         "algorithm.rollout_correction.rollout_rs_threshold_lower=0.3",
         "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.total_training_steps=3",
+        "trainer.total_training_steps=4",
     )
     trainer = RLTrainer(load_config(None, overrides(tmp_path, *FAST, *keys)), **QUIET)
     try:
@@ -94,9 +94,18 @@ def test_an_injected_stale_batch_is_weighted_and_dropped_as_computed_by_hand(ove
         versions = torch.tensor([1, 1, 1, 0]).repeat_interleave(4)
         trainer.pipeline.queue[0] = Batch(step=3, version=0, prompts=[], rollout=rollout, versions=versions)
         m = trainer.train_step(3)
+        # Step 4's batch handed in entirely at version 0 (staleness 3 > 1): every group is dropped and
+        # the step regenerates its own prompts with the current weights.
+        queued = trainer.pipeline.queue[0]
+        zeros = torch.zeros(16, dtype=torch.long)
+        stale = Batch(step=4, version=0, prompts=queued.prompts, rollout=rollout, versions=zeros)
+        trainer.workers.wait_generate(queued.pending)
+        trainer.pipeline.queue[0] = stale
+        m4 = trainer.train_step(4)
     finally:
         trainer.workers.close()
     assert m["async/dropped"] == 4 and m["async/dropped_frac"] == 0.25
+    assert m4["async/dropped"] == 16 and m4["async/dropped_frac"] == 1.0 and "actor/pg_loss" in m4
     assert m["async/staleness_count/1"] == 12 and m["async/staleness_count/0"] == 0
     tokens = rollout.out.response_mask.sum(-1)
     t0, t1, t2 = (float(tokens[4 * g : 4 * g + 4].sum()) for g in range(3))
@@ -149,3 +158,35 @@ def test_gae_with_bypass_mode_clips_around_the_stale_behaviour_policy(overrides,
     assert (first["async/staleness_max"], second["async/staleness_max"]) == (0, 1)
     assert "critic/vf_explained_var" in second and "rollout_corr/kl" not in second
     assert abs(second["actor/ppo_kl"]) > 100 * abs(first["actor/ppo_kl"]) + 1e-7
+
+
+@pytest.mark.slow
+def test_multi_turn_tool_use_runs_one_step_off(tmp_path):
+    """The Search-R1 agent loop generates inside the asynchronous generation calls: tools are called,
+    the second step trains on first-version trajectories with their behaviour log-probs."""
+    from tearless.trainers.records import read_records
+
+    keys = [
+        f"task.cache_dir={tmp_path / 'cache'}",
+        "task.num_train=16",
+        "task.num_val=8",
+        "task.warmup_steps=30",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.total_training_steps=2",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=4",
+        "data.max_response_length=64",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "reward_model.num_workers=0",
+        "trainer.num_rollout_samples=16",
+        "async_training.enable=true",
+        "async_training.max_staleness=1",
+        "algorithm.rollout_correction.rollout_is=token",
+        *FAST,
+    ]
+    train(None, keys, preset="search_r1", **QUIET)
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["async/staleness_max"] for r in records] == [0, 1]
+    assert all("rollout_corr/is_weight_mean" in r for r in records)
+    assert any(rec["tool_calls"] for rec in read_records(tmp_path / "run" / "rollouts.jsonl.gz"))
