@@ -9,7 +9,9 @@ One step (``RLTrainer.train_step``), each part one call to the worker group
   3. KL in the reward (optional) and advantages, grouped by each prompt's ``uid``, here;
   4. critic and actor updates: PPO epochs over mini-batches, micro-batched, globally normalised.
 
-Validation, metrics, rollout samples and checkpoints happen around it in ``fit``.
+Validation, metrics, rollout samples and checkpoints happen around it in ``fit``. With
+``async_training.enable`` step 1 takes a batch generated ahead, up to ``max_staleness`` policy
+versions old (:mod:`tearless.trainers.async_loop`).
 """
 
 from __future__ import annotations
