@@ -275,10 +275,6 @@ class RayWorkers(WorkerGroup):
     def _wait(self, pending: Any, what: str) -> list[Any]:
         return wait_all(pending, what, self.cfg.trainer.worker_timeout_s)
 
-    @property
-    def separate_rollout(self) -> bool:
-        return "rollout" in self.pools
-
     def trained_pools(self) -> list[str]:
         pools = [self.pool_of["actor"]]
         if "critic" in self.pool_of and self.pool_of["critic"] not in pools:

@@ -93,8 +93,6 @@ class WorkerGroup:
     def _wait(self, pending: Any, what: str) -> list[Any]:
         return pending
 
-    separate_rollout = False  # whether generation runs on ranks of its own (the split placement)
-
     def sync_weights(self) -> float:
         """Bring separate rollout workers the policy after an update (split placement; in the hybrid
         placement the engines already sample from the trained weights, or took them in-process).
