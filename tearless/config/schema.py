@@ -331,7 +331,36 @@ class RolloutCorrectionConfig:
         "truncated importance sampling of the policy loss by π_old/π_rollout: null (off) | token | "
         "sequence; rollout_corr/* mismatch metrics are logged whenever old log-probs are computed",
     )
-    rollout_is_threshold: float = doc(2.0, "TIS cap C on the importance weight")
+    rollout_is_threshold: float = doc(2.0, "TIS cap C on the importance weight (>= 1)")
+    rollout_is_threshold_lower: float | None = doc(
+        None,
+        "TIS floor: weights below it are raised to it, w = clip(ρ, lower, C); null = no floor (veRL "
+        "truncates above only); in (0, 1]. A tearless key named after rollout_rs_threshold_lower",
+    )
+    rollout_rs: str | None = doc(
+        None,
+        "masked IS (rejection): drop from the loss the tokens (token) or whole responses (sequence: "
+        "ratio Π_t ρ_t; geometric: exp(mean_t log ρ_t)) whose ratio π_old/π_rollout leaves "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold]; null = off (veRL key)",
+    )
+    rollout_rs_threshold: float | None = doc(
+        None, "masked IS upper bound U (> 1; required with rollout_rs; geometric: e.g. 1.001) (veRL key)"
+    )
+    rollout_rs_threshold_lower: float | None = doc(
+        None, "masked IS lower bound L in (0, U); null = 1/U (veRL key)"
+    )
+    rollout_token_veto_threshold: float | None = doc(
+        None,
+        "reject a whole response if any of its tokens has π_old/π_rollout below this (e.g. 1e-4); "
+        "null = off (veRL key)",
+    )
+    bypass_mode: bool = doc(
+        False,
+        "use the rollout's own log-probs as π_old instead of recomputing them with the trainer: the "
+        "PPO clip is then taken around the behaviour policy, and no IS weight or rejection applies "
+        "(π_old/π_rollout = 1). false = recompute π_old (the proximal policy of decoupled PPO when "
+        "samples are stale, see docs/async.md) (veRL key)",
+    )
 
 
 @dataclass
@@ -519,6 +548,29 @@ class TrainerConfig:
 
 
 @dataclass
+class AsyncTrainingConfig:
+    enable: bool = doc(
+        False,
+        "asynchronous RL: the rollout workers generate the next batches with the weights they hold "
+        "while the training workers update; each sample records the policy version that produced it "
+        "(docs/async.md). Overlaps only in the split placement (actor_rollout_ref.rollout.n_gpus_per_node "
+        "> 0); elsewhere the same schedule runs one call after the other",
+    )
+    max_staleness: int = doc(
+        1,
+        "policy versions a trained sample may lag behind the weights being updated (AReaL's "
+        "max_head_offpolicyness): 0 = the synchronous loop, 1 = one-step-off, k = k batches generated "
+        "ahead; older samples are dropped and counted (async/dropped_frac). Not veRL's "
+        "async_training.staleness_threshold, which is a fraction of extra samples",
+    )
+    partial_rollout: bool = doc(
+        False,
+        "continue responses interrupted by a weight update under the new weights (veRL key); not "
+        "implemented yet: true is refused",
+    )
+
+
+@dataclass
 class RuntimeEnvConfig:
     env_vars: dict = doc({}, "environment variables of every Ray worker process (NCCL_*, HF_HOME, …)")
 
@@ -562,5 +614,6 @@ class Config:
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     task: TaskConfig = field(default_factory=TaskConfig)

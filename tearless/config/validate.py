@@ -126,6 +126,9 @@ def validate(cfg: Config) -> None:
     from tearless.config.validate_loss import validate_loss
 
     validate_loss(cfg)
+    from tearless.config.validate_async import validate_offpolicy
+
+    validate_offpolicy(cfg)
     straight_through = [f"{k}+" for k in KL_ESTIMATORS if k != "full"]
     _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])

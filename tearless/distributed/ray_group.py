@@ -269,22 +269,30 @@ class RayWorkers(WorkerGroup):
     def _call(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
         return self.pools[self.pool_of[pool]].call(method, per_rank, what)
 
+    def _submit(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> Any:
+        return self.pools[self.pool_of[pool]].submit(method, per_rank)
+
+    def _wait(self, pending: Any, what: str) -> list[Any]:
+        return wait_all(pending, what, self.cfg.trainer.worker_timeout_s)
+
     def trained_pools(self) -> list[str]:
         pools = [self.pool_of["actor"]]
         if "critic" in self.pool_of and self.pool_of["critic"] not in pools:
             pools.append(self.pool_of["critic"])
         return [next(r for r in ("actor", "critic") if self.pool_of.get(r) == p) for p in pools]
 
-    def sync_weights(self) -> None:
+    def sync_weights(self) -> float:
         """Split placement: the training ranks gather and send the policy while every rollout rank
-        receives it, at once."""
+        receives it, at once (after the generation calls submitted to it before). Returns the
+        slowest rollout rank's seconds receiving."""
         if "rollout" not in self.pools:
-            return
+            return 0.0
         actor = self.pools[self.pool_of["actor"]]
         rollout = self.pools["rollout"]
         pending = actor.submit("send_weights", [()] * actor.world)
         pending += rollout.submit("receive_weights", [()] * rollout.world)
-        wait_all(pending, "weight broadcast", actor.timeout_s)
+        results = wait_all(pending, "weight broadcast", actor.timeout_s)
+        return max(float(r) for r in results[actor.world :])
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -10,9 +10,13 @@ trainer computes log-probs under π_θ_old; the two differ even with identical w
 - ``rollout_corr/max_abs_log_ratio`` = max_t |Δ_t|.
 
 Truncated importance sampling (``algorithm.rollout_correction.rollout_is``) re-weights each token's
-policy loss by w = min(ρ, C), detached, with ρ = exp(Δ_t) per token (``token``) or
-ρ = exp(Σ_t Δ_t) per sequence (``sequence``) and C = ``rollout_is_threshold``; ``rollout_corr/
-is_weight_mean`` and ``rollout_corr/is_clip_frac`` (share of tokens with ρ > C) are logged.
+policy loss by w = clip(ρ, L, C), detached, with ρ = exp(Δ_t) per token (``token``) or
+ρ = exp(Σ_t Δ_t) per sequence (``sequence``), C = ``rollout_is_threshold`` and L =
+``rollout_is_threshold_lower`` (none by default); ``rollout_corr/is_weight_mean``,
+``rollout_corr/is_clip_frac`` (share of tokens with ρ > C) and ``rollout_corr/is_clip_frac_low``
+are logged. Masked IS (``rollout_rs``) rejects tokens or responses whose ratio leaves a band
+(:func:`rollout_rejection`). The formulas live in :mod:`tearless.algos.offpolicy`; in the
+asynchronous loop the same maths corrects for policy lag (decoupled PPO, ``docs/async.md``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,7 @@ from __future__ import annotations
 import torch
 
 from tearless.algos import masked_mean
-
-IS_LEVELS = ("token", "sequence")
+from tearless.algos.offpolicy import rejection_mask, truncated_is_weights
 
 
 def rollout_correction(
@@ -31,8 +34,10 @@ def rollout_correction(
     *,
     level: str | None = None,
     threshold: float = 2.0,
+    lower: float | None = None,
 ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """(B, R) TIS weights (None when ``level`` is None) and the ``rollout_corr/*`` metrics."""
+    """(B, R) TIS weights clip(ρ, ``lower``, ``threshold``) (None when ``level`` is None) and the
+    ``rollout_corr/*`` metrics."""
     mask = response_mask.bool()
     delta = torch.where(mask, old_log_prob.float() - rollout_log_prob.float(), 0.0).clamp(-20.0, 20.0)
     valid = mask.float()
@@ -48,11 +53,30 @@ def rollout_correction(
     }
     if level is None:
         return None, metrics
-    if level not in IS_LEVELS:
-        raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r}: use token, sequence or null")
-    log_ratio = delta if level == "token" else (delta * valid).sum(-1, keepdim=True).expand_as(delta)
-    ratio = log_ratio.clamp(max=20.0).exp()
-    weights = torch.where(mask, ratio.clamp(max=threshold), 0.0)
-    metrics["rollout_corr/is_weight_mean"] = float(masked_mean(weights, mask))
-    metrics["rollout_corr/is_clip_frac"] = float(masked_mean((ratio > threshold).float(), mask))
-    return weights.detach(), metrics
+    weights, is_metrics = truncated_is_weights(delta, mask, level=level, upper=threshold, lower=lower)
+    metrics.update({f"rollout_corr/{k}": v for k, v in is_metrics.items()})
+    return weights, metrics
+
+
+def rollout_rejection(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: str | None,
+    threshold: float | None,
+    lower: float | None = None,
+    veto: float | None = None,
+) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """(B, R) 0/1 keep-mask of masked IS and token veto (None when both are off), and the
+    ``rollout_corr/rs_*`` and ``rollout_corr/veto_frac`` metrics
+    (:func:`tearless.algos.offpolicy.rejection_mask`). Without ``level`` only the veto applies."""
+    if level is None and veto is None:
+        return None, {}
+    mask = response_mask.bool()
+    delta = torch.where(mask, old_log_prob.float() - rollout_log_prob.float(), 0.0)
+    if level is None:  # veto only: a band that keeps every ratio
+        keep, metrics = rejection_mask(delta, mask, level="token", upper=float("inf"), lower=0.0, veto=veto)
+    else:
+        keep, metrics = rejection_mask(delta, mask, level=level, upper=threshold, lower=lower, veto=veto)
+    return keep, {f"rollout_corr/{k}": v for k, v in metrics.items()}

@@ -9,7 +9,9 @@ One step (``RLTrainer.train_step``), each part one call to the worker group
   3. KL in the reward (optional) and advantages, grouped by each prompt's ``uid``, here;
   4. critic and actor updates: PPO epochs over mini-batches, micro-batched, globally normalised.
 
-Validation, metrics, rollout samples and checkpoints happen around it in ``fit``.
+Validation, metrics, rollout samples and checkpoints happen around it in ``fit``. With
+``async_training.enable`` step 1 takes a batch generated ahead, up to ``max_staleness`` policy
+versions old (:mod:`tearless.trainers.async_loop`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +34,10 @@ from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.models.loading import load_tokenizer
 from tearless.rewards.steps import rollout_token_rewards
-from tearless.rollout.correction import rollout_correction
+from tearless.rollout.correction import rollout_correction, rollout_rejection
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers import resume_compat, runlock
+from tearless.trainers.async_loop import AsyncPipeline
 from tearless.trainers.collect import collect
 from tearless.trainers.metrics import Timer, data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
@@ -118,6 +122,7 @@ class RLTrainer:
         self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
         self.run_dir = Path(t.default_local_dir)
         self.batches_consumed = 0
+        self.policy_version = 0  # actor updates so far (the version rollouts record, docs/async.md)
         self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
         self.skipped = {"actor": 0.0, "critic": 0.0}  # optimizer steps skipped so far, per role
         self.response_length = arr.rollout.response_length or data.max_response_length
@@ -143,6 +148,9 @@ class RLTrainer:
         )
         if resume_dir:
             self._load_state(resume_dir)
+        # async_training: generation runs ahead of the updates (trainers/async_loop.py, docs/async.md).
+        self.pipeline = AsyncPipeline(self) if cfg.async_training.enable else None
+        self._collect = self.pipeline.collect if self.pipeline else partial(collect, self)
 
     # ---------------------------------------------------------------- setup helpers
     def _resolve_paths(self) -> tuple[str, Any, Any, str | None]:
@@ -200,6 +208,8 @@ class RLTrainer:
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         resume_compat.apply_config({}, self.kl_ctrl, self.cfg)  # the ranks applied it to their optimizers
         self.batches_consumed = state["batches_consumed"]
+        warmup = self.cfg.trainer.critic_warmup
+        self.policy_version = int(state.get("policy_version", max(0, self.start_step - warmup)))
         self.bad_steps = int(state.get("bad_steps", 0))
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
@@ -213,7 +223,9 @@ class RLTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
-            "batches_consumed": self.batches_consumed,
+            # Prompt batches of steps trained so far: in-flight generations are redrawn on resume.
+            "batches_consumed": self.batches_consumed - (self.pipeline.in_flight() if self.pipeline else 0),
+            "policy_version": self.policy_version,
             "bad_steps": self.bad_steps,
             # Plain JSON values only, so the state loads with torch.load(weights_only=True).
             "config": json.loads(json.dumps(to_dict(self.cfg), default=str)),
@@ -248,12 +260,14 @@ class RLTrainer:
         t = self.cfg.trainer
         timer = Timer()
         with timer("step"):
-            rollout, uids, metrics = collect(self, step, timer)
+            rollout, uids, metrics = self._collect(step, timer)
             td = self.batch(rollout, uids)
             self.forward_passes(td, rollout, metrics, timer)
             with timer("adv"):
                 rewards = self.token_rewards(td, rollout, metrics)
                 td["advantages"], td["returns"] = self.advantages(td, rewards, uids, rollout, step)
+            if "rollout_rs_mask" in td.keys():  # masked IS: rejected tokens leave both updates
+                td["response_mask"] = td["response_mask"] * td["rollout_rs_mask"]
             faults.point("update", step)
             if "values" in td.keys():
                 with timer("update_critic"):
@@ -265,8 +279,11 @@ class RLTrainer:
             if step > t.critic_warmup:
                 with timer("update_actor"):
                     metrics.update(self.workers.update_policy(td, generator=step_generator(t.seed, step, 1)))
+                self.policy_version += 1
                 with timer("update_weights"):  # to separate rollout workers (split placement)
-                    self.workers.sync_weights()
+                    received = self.workers.sync_weights()
+                if self.pipeline:
+                    self.pipeline.sync_idle(timer, received)
             self.workers.check_weights(step, (td["prompt_ids"][:1], td["prompt_mask"][:1]))
         out = rollout.out
         metrics.update(
@@ -318,24 +335,39 @@ class RLTrainer:
         cfg = self.cfg
         arr, alg = cfg.actor_rollout_ref, cfg.algorithm
         rc = alg.rollout_correction
-        if (
+        if rc.bypass_mode:  # π_old := the behaviour policy, the rollout's own log-probs
+            td["old_log_prob"] = rollout.out.log_probs
+        elif (
             not on_policy(arr.actor, td.batch_size[0] // arr.rollout.n)
             or alg.use_kl_in_reward
-            or rc.rollout_is is not None
+            or any(v is not None for v in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
             or arr.rollout.name != "hf"
         ):
             with timer("old_log_prob"):
                 td["old_log_prob"], _ = self.workers.compute_log_prob("actor", td)
+            behaviour, mask = rollout.out.log_probs, td["response_mask"]
             weights, corr = rollout_correction(
                 td["old_log_prob"],
-                rollout.out.log_probs,
-                td["response_mask"],
+                behaviour,
+                mask,
                 level=rc.rollout_is,
                 threshold=rc.rollout_is_threshold,
+                lower=rc.rollout_is_threshold_lower,
             )
-            metrics.update(corr)
+            keep, rejected = rollout_rejection(
+                td["old_log_prob"],
+                behaviour,
+                mask,
+                level=rc.rollout_rs,
+                threshold=rc.rollout_rs_threshold,
+                lower=rc.rollout_rs_threshold_lower,
+                veto=rc.rollout_token_veto_threshold,
+            )
+            metrics.update({**corr, **rejected})
             if weights is not None:
                 td["rollout_is_weights"] = weights
+            if keep is not None:
+                td["rollout_rs_mask"] = keep
         if arr.actor.use_kl_loss or alg.use_kl_in_reward:
             with timer("ref"):
                 td["ref_log_prob"], _ = self.workers.compute_log_prob("ref", td)

@@ -85,21 +85,44 @@ class WorkerGroup:
     def close(self) -> None:
         raise NotImplementedError
 
-    def sync_weights(self) -> None:
+    def _submit(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> Any:
+        """Start ``method`` on every rank of ``pool``; :meth:`_wait` returns the results. Ranks run
+        their calls in submission order. Here the call runs at once; Ray returns pending calls."""
+        return self._call(pool, method, per_rank, what)
+
+    def _wait(self, pending: Any, what: str) -> list[Any]:
+        return pending
+
+    def sync_weights(self) -> float:
         """Bring separate rollout workers the policy after an update (split placement; in the hybrid
-        placement the engines already sample from the trained weights, or took them in-process)."""
+        placement the engines already sample from the trained weights, or took them in-process).
+        Returns the slowest rollout rank's seconds receiving them (0 when there is nothing to send)."""
+        return 0.0
 
     # ------------------------------------------------------------------ rollout
     def generate(
         self, prompts: list[dict], *, n: int, keys: list[int] | None, max_new_tokens: int, **sampling: Any
     ) -> Rollout:
         """``n`` scored responses per prompt; each generating rank takes a consecutive share."""
+        pending = self.submit_generate(prompts, n=n, keys=keys, max_new_tokens=max_new_tokens, **sampling)
+        return self.wait_generate(pending)
+
+    def submit_generate(
+        self, prompts: list[dict], *, n: int, keys: list[int] | None, max_new_tokens: int, **sampling: Any
+    ) -> tuple[list[dict], int, Any]:
+        """Start :meth:`generate` without waiting for it (the asynchronous loop); the generating ranks
+        run it after the calls submitted before it, with the weights they hold then."""
         pieces = contiguous_split(len(prompts), self.world_of("rollout"))
         args = []
         for piece in pieces:
             share_keys = None if keys is None else [keys[i] for i in piece]
             args.append(([prompts[i] for i in piece], n, share_keys, max_new_tokens, sampling))
-        parts = [p for p in self._call("rollout", "generate_share", args, "generation") if p is not None]
+        return prompts, n, self._submit("rollout", "generate_share", args, "generation")
+
+    def wait_generate(self, pending: tuple[list[dict], int, Any]) -> Rollout:
+        """The scored rollout of a :meth:`submit_generate` call."""
+        prompts, n, handle = pending
+        parts = [p for p in self._wait(handle, "generation") if p is not None]
         out = concat_rollouts([p["out"] for p in parts], self.pad_token_id)
         items = [q for q in prompts for _ in range(n)]
         info = [row for p in parts for row in p["info"]] if parts[0]["info"] is not None else None
@@ -119,7 +142,7 @@ class WorkerGroup:
             texts=[t for p in parts for t in p["texts"]],
             extras=extras,
             metrics=metrics,
-            seconds={k: max(p["seconds"].get(k, 0.0) for p in parts) for k in ("gen", "reward")},
+            seconds={k: max(p["seconds"].get(k, 0.0) for p in parts) for k in ("gen", "reward", "gen_idle")},
         )
 
     # ------------------------------------------------------------------ forward-only passes
@@ -179,7 +202,9 @@ class WorkerGroup:
     def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """The actor's PPO epochs over ``td`` on every training rank; averaged metrics."""
         arr = self.cfg.actor_rollout_ref
-        detached = on_policy(arr.actor, td.batch_size[0] // arr.rollout.n)
+        # bypass_mode: π_old is the rollout's, so the ratio is not 1 even on-policy.
+        bypass = self.cfg.algorithm.rollout_correction.bypass_mode
+        detached = on_policy(arr.actor, td.batch_size[0] // arr.rollout.n) and not bypass
         return policy_update(
             arr.actor,
             arr.rollout.n,

@@ -27,6 +27,7 @@ import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ class Rank:
         self.agent: Any = None
         self.weight_sync: Any = None
         self.separate_engine = False
+        self._idle_since: float | None = None  # a rollout-only rank: when its last call ended
+        self._idle_seconds = 0.0  # … and its idle seconds not yet reported
 
     # ------------------------------------------------------------------ where and how it starts
     def info(self) -> dict[str, Any]:
@@ -173,6 +176,7 @@ class Rank:
         scores (:func:`~tearless.workers.scoring.score_responses`) and the seconds of each part. A rank
         with no prompts still joins the gathering of the weights (a collective) and returns None."""
         timer = Timer()
+        idle, self._idle_seconds = self._idle_seconds + self._idle(), 0.0
         with timer("gen"), self._rollout_weights():
             if not prompts:
                 return None
@@ -186,7 +190,19 @@ class Rank:
         items = [p for p in prompts for _ in range(n)]
         with timer("reward"):
             scored = score_responses(self.tokenizer, self.reward, items, out)
-        return {"out": out, "info": info, **scored, "seconds": dict(timer.seconds), "pid": os.getpid()}
+        self._busy_until_now()
+        seconds = {**timer.seconds, "gen_idle": idle}
+        return {"out": out, "info": info, **scored, "seconds": seconds, "pid": os.getpid()}
+
+    def _idle(self) -> float:
+        """Seconds a rollout-only rank sat without work since its last call (0 for other ranks,
+        whose time between generations goes to training)."""
+        if self.roles or self._idle_since is None:
+            return 0.0
+        return time.perf_counter() - self._idle_since
+
+    def _busy_until_now(self) -> None:
+        self._idle_since = time.perf_counter()
 
     # ------------------------------------------------------------------ forward-only passes
     def _forward_mode(self):
@@ -300,9 +316,16 @@ class Rank:
             if self.weight_sync is not None:
                 self.weight_sync.broadcast(tensor.to(self.device).contiguous())
 
-    def receive_weights(self) -> None:
-        """Rollout ranks: take the policy broadcast by training rank 0 into the engine."""
-        self.engine.load_weights(self._received())
+    def receive_weights(self) -> float:
+        """Rollout ranks: take the policy broadcast by training rank 0 into the engine; returns the
+        seconds from the first tensor's arrival to the engine holding them all."""
+        tensors = self._received()
+        first = next(tensors)  # waits for the training ranks to send: idle, not copying
+        self._idle_seconds += self._idle()
+        start = time.perf_counter()
+        self.engine.load_weights(chain([first], tensors))
+        self._busy_until_now()
+        return time.perf_counter() - start
 
     def _received(self) -> Iterator[tuple[str, torch.Tensor]]:
         dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))

@@ -1,0 +1,106 @@
+"""Checks of the off-policy keys: ``algorithm.rollout_correction.*`` beyond TIS, and ``async_training``."""
+
+from __future__ import annotations
+
+from tearless.config.schema import Config
+from tearless.config.validate import _fail, _one_of
+
+RC = "algorithm.rollout_correction"
+
+
+def _validate_correction(cfg: Config) -> None:
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is_threshold_lower is not None:
+        if rc.rollout_is is None:
+            _fail(
+                f"{RC}.rollout_is_threshold_lower",
+                "is a bound of the TIS weight, and rollout_is is null (no weight)",
+                f"Set {RC}.rollout_is=token or sequence, or remove the lower bound.",
+            )
+        if not 0 < rc.rollout_is_threshold_lower <= 1:
+            _fail(
+                f"{RC}.rollout_is_threshold_lower",
+                f"must be in (0, 1], got {rc.rollout_is_threshold_lower}",
+                "A floor above 1 would raise the weight of samples the policies agree on.",
+            )
+    if rc.rollout_rs is None:
+        for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
+            if getattr(rc, key) is not None:
+                _fail(
+                    f"{RC}.{key}",
+                    "is a bound of masked IS, and rollout_rs is null (no rejection)",
+                    f"Set {RC}.rollout_rs=token, sequence or geometric, or remove {key}.",
+                )
+    else:
+        _one_of(f"{RC}.rollout_rs", rc.rollout_rs, ("token", "sequence", "geometric"))
+        upper, lower = rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower
+        if upper is None or upper <= 1:
+            _fail(
+                f"{RC}.rollout_rs_threshold",
+                f"must be set and > 1 with rollout_rs={rc.rollout_rs}, got {upper}",
+                "Ratios above it are rejected; 2.0 for token or sequence, about 1.001 for geometric.",
+            )
+        if lower is not None and not 0 <= lower < 1:
+            _fail(
+                f"{RC}.rollout_rs_threshold_lower",
+                f"must be in [0, 1), got {lower}",
+                "Ratios below it are rejected; null = 1/rollout_rs_threshold, 0 = no lower bound.",
+            )
+    veto = rc.rollout_token_veto_threshold
+    if veto is not None and not 0 < veto < 1:
+        _fail(
+            f"{RC}.rollout_token_veto_threshold",
+            f"must be in (0, 1), got {veto}",
+            "A response is rejected when a token's ratio falls below it; veRL suggests 1e-4.",
+        )
+    if rc.bypass_mode:
+        keys = ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
+        on = [k for k in keys if getattr(rc, k) is not None]
+        if on:
+            _fail(
+                f"{RC}.bypass_mode",
+                f"takes π_old from the rollout, so π_old/π_rollout = 1 and {', '.join(on)} could never act",
+                f"Set {RC}.bypass_mode=false (π_old recomputed by the trainer) or remove {', '.join(on)}.",
+            )
+
+
+def _validate_async(cfg: Config) -> None:
+    at = cfg.async_training
+    key = "async_training"
+    if not isinstance(at.max_staleness, int) or isinstance(at.max_staleness, bool) or at.max_staleness < 0:
+        _fail(
+            f"{key}.max_staleness",
+            f"must be an integer >= 0, got {at.max_staleness!r}",
+            "0 = synchronous, 1 = one-step-off.",
+        )
+    if not at.enable:
+        if at.partial_rollout:
+            _fail(f"{key}.partial_rollout", "needs async_training.enable=true", "Enable it, or remove it.")
+        return
+    if at.partial_rollout:
+        _fail(
+            f"{key}.partial_rollout",
+            "partial rollouts (continuing an interrupted response under new weights) are not implemented "
+            "yet: each generation call completes its responses with one policy version",
+            "Set it to false.",
+        )
+    if cfg.algorithm.filter_groups.enable:
+        _fail(
+            "algorithm.filter_groups.enable",
+            "DAPO's dynamic sampling draws a variable number of generation rounds per step, which the "
+            "asynchronous pipeline (one generation batch per step, submitted ahead) does not schedule yet",
+            "Set async_training.enable=false, or algorithm.filter_groups.enable=false.",
+        )
+    if cfg.algorithm.adv_estimator == "remax":
+        _fail(
+            "algorithm.adv_estimator",
+            "remax's greedy baseline is generated during the step with the rollout workers' weights, "
+            "which in the asynchronous loop are busy with (and hold the weights of) later batches",
+            "Use grpo or rloo with async_training.enable=true, or disable async_training.",
+        )
+
+
+def validate_offpolicy(cfg: Config) -> None:
+    """Raise ``ConfigError`` for an off-policy key out of range or a combination that cannot act."""
+    _validate_correction(cfg)
+    _validate_async(cfg)
