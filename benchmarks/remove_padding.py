@@ -68,7 +68,7 @@ def step(model, data, **kw):
     model.zero_grad(set_to_none=True)
 
 
-def time_ab(pairs=5):
+def time_ab(pairs=3):
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     for hidden in (128, 512):
         model = tiny(512, hidden)
