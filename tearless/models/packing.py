@@ -72,8 +72,9 @@ class PackedRows:
 
 def packable(prompt_mask: torch.Tensor, response_mask: torch.Tensor, lengths: torch.Tensor) -> bool:
     """True when every row is the layout :func:`pack_rows` assumes: a non-empty left-padded prompt
-    (its ones end at the last column) and response ones without holes (as many as the attended length)."""
-    if prompt_mask.shape[0] == 0:
+    (its ones end at the last column) and response ones without holes (as many as the attended length),
+    and at least one row has a response token."""
+    if prompt_mask.shape[0] == 0 or int(lengths.max()) == 0:  # nothing to forward: the padded pass's zeros
         return False
     p = prompt_mask.bool()
     contiguous_prompt = (

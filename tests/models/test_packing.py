@@ -40,6 +40,9 @@ def test_layouts_that_are_not_packable():
     assert not packable(ones, hole, attended_lengths(hole))
     assert not packable(torch.tensor([[1, 1, 0]]), ones, attended_lengths(ones))
     assert not packable(torch.zeros(1, 3, dtype=torch.long), ones, attended_lengths(ones))
+    # No response token in any row: nothing to pack (the padded pass returns its zeros).
+    none = torch.zeros(1, 3, dtype=torch.long)
+    assert not packable(ones, none, attended_lengths(none))
 
 
 def batch(vocab, seed=3):
