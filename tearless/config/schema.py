@@ -61,8 +61,17 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
     use_remove_padding: bool = doc(
         False,
-        "padding-free forwards: each micro-batch's valid tokens packed into one row with per-sequence "
-        "position ids and block-diagonal attention (veRL key)",
+        "padding-free forwards (veRL key): every actor/ref log-prob and update forward packs the "
+        "micro-batch's valid tokens into one row with per-sequence position ids and block-diagonal causal "
+        "attention (flash-attention varlen on GPU; per-sequence causal SDPA on CPU), log-probs and "
+        "entropies unpacked per sequence; the same numbers as the padded pass to float rounding. Takes the "
+        "place of share_prompt_forward's prompt sharing (identical sequences are still forwarded once)",
+    )
+    use_fused_kernels: bool = doc(
+        False,
+        "log-probs and entropy from the final hidden states in token chunks (veRL key; its torch "
+        "backend): the (tokens x vocab) float32 logits never exist whole, in forward or backward. "
+        "Takes effect with use_remove_padding on an unsharded model whose LM head has no bias",
     )
     dtype: str = doc("float32", "parameter dtype: float32 | bfloat16 | float16 (fp32 on CPU)")
     share_prompt_forward: bool = doc(
@@ -272,8 +281,9 @@ class CriticModelConfig:
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward to save memory")
     use_remove_padding: bool = doc(
         False,
-        "padding-free forwards: each micro-batch's valid tokens packed into one row with per-sequence "
-        "position ids and block-diagonal attention (veRL key)",
+        "padding-free critic forwards (veRL key): values of each micro-batch computed on its valid tokens "
+        "packed into one row (per-sequence position ids, block-diagonal causal attention), unpacked per "
+        "sequence; the same numbers as the padded pass to float rounding",
     )
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

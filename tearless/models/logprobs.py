@@ -28,8 +28,10 @@ import functools
 import torch
 
 from tearless.algos import entropy_from_logits, logprobs_from_logits
+from tearless.models.chunked import chunked_logprobs
 from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
+from tearless.models.packing import pack_rows, packable, packed_forward
 
 # What one more forward costs, in response tokens: an extra bucket must save more padding than this.
 BUCKET_OVERHEAD_TOKENS = 64
@@ -61,6 +63,8 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool | str = False,
     share_prompts: bool = True,
+    remove_padding: bool = False,
+    fused_kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return log π(y_t | x, y_<t) of each response token, shape (B, R), and optionally its entropy.
 
@@ -68,7 +72,14 @@ def response_logprobs(
     Entropy is computed without gradient (it is a metric unless the caller differentiates it; pass
     ``with_entropy="grad"`` for the entropy bonus). Both are 0 after each row's last attended token.
     ``share_prompts`` takes the fast path (shared prompts, length buckets; see the module
-    docstring); False always runs one plain pass over every whole sequence.
+    docstring); False always runs one plain pass over every whole sequence. ``remove_padding``
+    (``use_remove_padding``) forwards the valid tokens packed into one row instead
+    (:mod:`tearless.models.packing`), with identical sequences still forwarded once when
+    ``share_prompts`` and not sharded; rows whose masks are not the left-padded prompt / right-padded
+    response layout fall back to the padded pass. ``fused_kernels`` (``use_fused_kernels``) computes
+    the packed pass's log-probs and entropy from the final hidden states a chunk of tokens at a time
+    (:mod:`tearless.models.chunked`) when the model is not sharded and its LM head is a plain
+    bias-free linear layer; otherwise the logits are formed whole.
     """
     device = compute_device(model)
     rows, width = response_ids.shape
@@ -78,10 +89,11 @@ def response_logprobs(
     # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and how a rank's
     # rows share prompts and bucket by length differs between ranks: they all take the plain pass.
     sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
-    fast = share_prompts and rows > 0 and not (checkpointing or sharded) and bool(prompt_mask.any(-1).all())
+    packed = remove_padding and packable(prompt_mask, response_mask, lengths)
+    fast = share_prompts and rows > 0 and not sharded and bool(prompt_mask.any(-1).all())
     p_ids, p_mask = prompt_ids.to(device), prompt_mask.to(device)
     r_ids, r_mask = response_ids.to(device), response_mask.to(device)
-    if fast:
+    if fast and (packed or not checkpointing):
         rep, inverse = distinct_rows(p_ids, p_mask, r_ids, r_mask, lengths.to(device))
         if len(rep) < rows:  # forward each distinct sequence once; duplicates share its outputs
             log_prob, entropy = response_logprobs(
@@ -92,8 +104,16 @@ def response_logprobs(
                 r_mask[rep],
                 temperature=temperature,
                 with_entropy=with_entropy,
+                remove_padding=remove_padding,
+                fused_kernels=fused_kernels,
             )
             return log_prob[inverse], (None if entropy is None else entropy[inverse])
+    if packed:
+        head = model.get_output_embeddings() if fused_kernels and not sharded else None
+        if not (isinstance(head, torch.nn.Linear) and head.bias is None):
+            head = None
+        return _packed_logprobs(model, p_ids, p_mask, r_ids, lengths, temperature, with_entropy, head)
+    if fast and not checkpointing:
         pieces = _fast_logits(model, p_ids, p_mask, r_ids, r_mask, lengths)
     else:
         used = max(int(lengths.max()) if rows else 0, 1)
@@ -121,6 +141,34 @@ def response_logprobs(
     keep = torch.arange(width, device=device) < lengths.to(device)[:, None]
     log_prob = log_prob * keep
     return log_prob, (None if entropy is None else entropy * keep)
+
+
+def _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, lengths, temperature, with_entropy, head):
+    """:func:`response_logprobs` of one packed forward: logits only at the K predicting positions,
+    or, given the LM ``head``, log-probs and entropy from the hidden states in chunks."""
+    packed = pack_rows(prompt_ids, prompt_mask, response_ids, lengths)
+    shape = tuple(response_ids.shape)
+    targets = response_ids[packed.rows, packed.cols]
+    if head is not None:  # the LM head runs on one token only; the chunks do the rest
+        out = packed_forward(model, packed, logits_to_keep=1, output_hidden_states=True)
+        hidden = out.hidden_states[-1][0, packed.keep]
+        lp, ent = chunked_logprobs(hidden, head.weight, targets, temperature=temperature)
+        entropy = (
+            None
+            if not with_entropy
+            else packed.unpack(ent if with_entropy == "grad" else ent.detach(), shape)
+        )
+        return packed.unpack(lp, shape), entropy
+    logits = packed_forward(model, packed, logits_to_keep=packed.keep).logits[0].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_prob = packed.unpack(logprobs_from_logits(logits, targets), shape)
+    if with_entropy == "grad":
+        return log_prob, packed.unpack(entropy_from_logits(logits), shape)
+    if with_entropy:
+        with torch.no_grad():
+            return log_prob, packed.unpack(entropy_from_logits(logits.detach()), shape)
+    return log_prob, None
 
 
 def distinct_rows(

@@ -19,7 +19,8 @@ from tearless.models.loading import (
     quiet_transformers,
     resolve_dtype,
 )
-from tearless.models.logprobs import sequence_inputs
+from tearless.models.logprobs import attended_lengths, sequence_inputs
+from tearless.models.packing import pack_rows, packable, packed_forward
 
 
 def load_value_model(
@@ -68,10 +69,22 @@ def response_values(
     prompt_mask: torch.Tensor,
     response_ids: torch.Tensor,
     response_mask: torch.Tensor,
+    *,
+    remove_padding: bool = False,
 ) -> torch.Tensor:
     """V(s_t) for each response token, (B, R): the value of the state before the token is generated,
-    read at the position that predicts it (the same shift as the log-probs)."""
+    read at the position that predicts it (the same shift as the log-probs).
+
+    ``remove_padding`` (``critic.model.use_remove_padding``) runs one packed forward over the valid
+    tokens (:mod:`tearless.models.packing`); its values are 0 past each row's attended length (the
+    padded pass leaves whatever the model computed at the padding there: callers mask both).
+    """
     device = compute_device(model)
+    lengths = attended_lengths(response_mask)
+    if remove_padding and packable(prompt_mask, response_mask, lengths):
+        packed = pack_rows(prompt_ids.to(device), prompt_mask.to(device), response_ids.to(device), lengths)
+        out = packed_forward(model, packed).logits[0, :, 0]
+        return packed.unpack(out[packed.keep].float(), tuple(response_ids.shape))
     ids, mask, positions = (
         t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     )

@@ -53,7 +53,8 @@ _BOOKKEEPING_KEYS = {
 }  # fmt: skip
 _BOOKKEEPING_SUFFIXES = (
     "micro_batch_size_per_gpu", "micro_batch_size", "max_token_len_per_gpu", "use_dynamic_bsz",
-    "enable_gradient_checkpointing", "share_prompt_forward", "lora_save_merged", "param_offload",
+    "enable_gradient_checkpointing", "share_prompt_forward", "use_remove_padding", "use_fused_kernels",
+    "lora_save_merged", "param_offload",
     "optimizer_offload", "reshard_after_forward", "param_dtype",
 )  # fmt: skip
 _BOOKKEEPING_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "ray_init.")

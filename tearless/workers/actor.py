@@ -64,11 +64,15 @@ class LogProbWorker:
         temperature: float,
         micro_batch_size: int | None = None,
         share_prompts: bool = True,
+        remove_padding: bool = False,
+        fused_kernels: bool = False,
     ):
         self.model = model
         self.temperature = temperature
         self.micro_batch_size = micro_batch_size
         self.share_prompts = share_prompts
+        self.remove_padding = remove_padding
+        self.fused_kernels = fused_kernels
 
     def forward(self, mb: TensorDict, *, with_entropy: bool | str = False):
         """Log-probs (and entropy) of one micro-batch's responses, with gradient if enabled."""
@@ -81,6 +85,8 @@ class LogProbWorker:
             temperature=self.temperature,
             with_entropy=with_entropy,
             share_prompts=self.share_prompts,
+            remove_padding=self.remove_padding,
+            fused_kernels=self.fused_kernels,
         )
 
     def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
@@ -130,6 +136,8 @@ class Actor(LogProbWorker):
         total_steps: int,
         log_prob_micro_batch_size: int | None = None,
         share_prompts: bool = True,
+        remove_padding: bool = False,
+        fused_kernels: bool = False,
         loss_scale_factor: float | None = None,
     ):
         super().__init__(
@@ -137,6 +145,8 @@ class Actor(LogProbWorker):
             temperature=temperature,
             micro_batch_size=log_prob_micro_batch_size,
             share_prompts=share_prompts,
+            remove_padding=remove_padding,
+            fused_kernels=fused_kernels,
         )
         self.cfg = cfg
         # seq-mean-token-sum-norm's S; None (and no cfg.loss_scale_factor): the mini-batch's padded width.

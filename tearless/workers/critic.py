@@ -35,8 +35,17 @@ class Critic:
     ``loss_scale_factor``, ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
     """
 
-    def __init__(self, model: torch.nn.Module, settings, *, rollout_n: int, total_steps: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        settings,
+        *,
+        rollout_n: int,
+        total_steps: int,
+        remove_padding: bool = False,
+    ) -> None:
         self.model = model
+        self.remove_padding = remove_padding
         self.s = settings
         self.rollout_n = rollout_n
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -51,7 +60,12 @@ class Critic:
         outs = []
         for mb in micro_batches(td, size=self.s.forward_micro_batch_size_per_gpu):
             values = response_values(
-                self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], attention_mask(mb)
+                self.model,
+                mb["prompt_ids"],
+                mb["prompt_mask"],
+                mb["response_ids"],
+                attention_mask(mb),
+                remove_padding=self.remove_padding,
             )
             outs.append(values.cpu() * mb["response_mask"])
         self.model.train(was_training)
@@ -59,7 +73,12 @@ class Critic:
 
     def micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
         vpreds = response_values(
-            self.model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], attention_mask(mb)
+            self.model,
+            mb["prompt_ids"],
+            mb["prompt_mask"],
+            mb["response_ids"],
+            attention_mask(mb),
+            remove_padding=self.remove_padding,
         )
         device = vpreds.device
         mask = mb["response_mask"].to(device)

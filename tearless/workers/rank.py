@@ -121,6 +121,8 @@ class Rank:
                 total_steps=spec.total_steps,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                 share_prompts=arr.model.share_prompt_forward,
+                remove_padding=arr.model.use_remove_padding,
+                fused_kernels=arr.model.use_fused_kernels,
                 loss_scale_factor=loss_scale_factor(cfg),
             )
         if "ref" in spec.roles:
@@ -128,6 +130,8 @@ class Rank:
                 temperature=arr.rollout.temperature,
                 micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
                 share_prompts=arr.model.share_prompt_forward,
+                remove_padding=arr.model.use_remove_padding,
+                fused_kernels=arr.model.use_fused_kernels,
             )
             if arr.model.lora_rank > 0:  # the actor's model with its adapters off
                 self.roles["ref"] = AdapterOffLogProbWorker(self.roles["actor"].model, **ref_kw)
@@ -139,6 +143,7 @@ class Rank:
                 critic_settings(cfg),
                 rollout_n=arr.rollout.n,
                 total_steps=spec.total_steps,
+                remove_padding=cfg.critic.model.use_remove_padding,
             )
         for role in TRAINED:
             if role in self.roles and self.models.fsdp(role).optimizer_offload and self.device.type == "cuda":
@@ -248,6 +253,7 @@ class Rank:
                         mb["prompt_mask"],
                         mb["response_ids"],
                         attention_mask(mb),
+                        remove_padding=critic.remove_padding,
                     )
                     outs.append(values.cpu() * mb["response_mask"])
         finally:

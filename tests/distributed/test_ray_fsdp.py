@@ -295,6 +295,22 @@ def test_ppo_on_two_then_three_workers_then_one_process_matches_the_single_proce
     assert len({r["actor/lr"] for r in read_metrics(ppo_local / "metrics.jsonl")}) == 4
 
 
+def test_packed_ppo_on_two_workers_matches_the_padded_single_process_run(
+    ray_session, ppo_local, overrides, tmp_path_factory, task
+):
+    # use_remove_padding under FSDP2: each rank packs its micro-batches (actor, reference, critic).
+    run_dir = tmp_path_factory.mktemp("ppo-packed")
+    packed = (
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "critic.model.use_remove_padding=true",
+        "trainer.worker_timeout_s=600",  # a fresh Ray pool on a loaded 2-core machine starts slowly
+    )
+    train(None, common(overrides, run_dir, *PPO, *packed, *workers(2)), log=lambda _: None)
+    assert_same_steps(
+        ppo_local, run_dir, range(1, 5), task.model_dir, optimizer_steps_per_step=4, roles=("actor", "critic")
+    )
+
+
 def test_every_rank_generated_its_share_and_no_weights_crossed_the_object_store(ppo_chain, task):
     traffic = ppo_chain["traffic"]
     assert traffic.generating == ppo_chain["pids"]  # all 2 + 3 ranks returned generated rows
