@@ -15,6 +15,9 @@ import sys
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tearless", description="RL post-training that runs on a laptop CPU.")
+    from tearless import __version__
+
+    p.add_argument("--version", action="version", version=f"tearless {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train", help="run RL training (default: GRPO on the embedded arithmetic task)", add_help=False
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "config" or getattr(args, "help", False):
-        print(describe(cfg))
+        usage = _options_help(parser, args.command) if getattr(args, "help", False) else ""
+        print(usage + describe(cfg))
         return 0
     from tearless.data.rows import DataError
     from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
@@ -245,15 +249,32 @@ def _offline(args: argparse.Namespace) -> int:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
     if args.help:
-        print(describe(cfg))
+        print(_options_help(_parser(), args.command) + describe(cfg))
         return 0
+    from tearless.data.rows import DataError
+    from tearless.trainers.checkpoint import CheckpointError
+
     if args.command == "sft":
         from tearless.trainers.sft import SFTTrainer as trainer
     else:
         from tearless.trainers.dpo import DPOTrainer as trainer
-    summary = trainer(cfg).fit()
+    try:
+        summary = trainer(cfg).fit()
+    except (DataError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+        # Bad data files or rows: the message names the file, row and fix; a traceback would bury it.
+        print(f"tearless: error: {e}", file=sys.stderr)
+        return 1
     print(format_summary(summary, accuracies_only=False, digits=4))
     return 0
+
+
+def _options_help(parser: argparse.ArgumentParser, command: str) -> str:
+    """The command's usage and options (``--preset``, ``--config``, ``--fresh``…), then a heading for
+    the config keys that follow."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if command not in sub.choices:
+        return ""
+    return sub.choices[command].format_help() + "\nconfig keys (key = value, then its doc):\n"
 
 
 def _add_report_parsers(sub: argparse._SubParsersAction) -> None:

@@ -116,3 +116,25 @@ def test_format_summary_by_hand():
     ]
     assert lines[1] == "run directory: runs/x (5 steps, 62 s)"
     assert len(lines) == 2  # reward/* lines are not accuracies
+
+
+def test_version_and_train_help_show_the_options():
+    from tearless import __version__
+
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"tearless {__version__}"
+    out = cli("train", "--help").stdout
+    head = out.split("config keys")[0]
+    for option in ("--preset PRESET", "--config CONFIG", "--fresh"):
+        assert option in head
+    assert "data.train_batch_size = 16" in out
+    assert "--preset" not in cli("config", "show").stdout
+
+
+def test_sft_data_errors_are_one_message_without_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    proc = cli("sft", f"data.train_files={bad}", "trainer.total_training_steps=1")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("tearless: error: ") and str(bad) in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -50,6 +50,15 @@ class DataConfig:
     shuffle: bool = doc(True, "shuffle training prompts each epoch (seeded by data.seed)")
     seed: int | None = doc(None, "shuffle seed; null = trainer.seed")
     val_max_samples: int = doc(-1, "use at most this many validation prompts (-1 = all)")
+    train_max_samples: int = doc(-1, "use at most this many training prompts, the file's first (-1 = all)")
+    chat_template: str | None = doc(
+        None,
+        "Jinja chat template for chat-format prompts when the tokenizer has none (veRL: "
+        "actor_rollout_ref.model.custom_chat_template); null = the tokenizer's own",
+    )
+    apply_chat_template_kwargs: dict = doc(
+        {}, "extra keyword arguments of tokenizer.apply_chat_template (e.g. {enable_thinking: false})"
+    )
 
 
 @dataclass
@@ -433,6 +442,11 @@ class RewardModelConfig:
     num_workers: int = doc(2, "reward scoring processes (0 = score in the trainer process, no timeout)")
     timeout_s: float = doc(30.0, "per-sample scoring timeout in seconds")
     failure_score: float = doc(0.0, "score given to a sample whose scorer raised or timed out")
+    tolerate_failed_steps: bool = doc(
+        False,
+        "go on when the reward function fails on every sample of a generation round (each sample gets "
+        "failure_score); false = stop the run with the function's traceback",
+    )
 
 
 @dataclass
@@ -461,7 +475,8 @@ class TrainerConfig:
     )
     logger: list = doc(
         ["console", "jsonl"],
-        "loggers: console | jsonl | tensorboard | wandb | mlflow (mlflow: characters it forbids in "
+        "loggers: console | jsonl | tensorboard | wandb | mlflow, a list or one name (veRL's "
+        "logger=console); RUN_DIR/metrics.jsonl is always written (mlflow: characters it forbids in "
         "metric names, such as @, become _; the other loggers keep the original names)",
     )
     default_local_dir: str = doc(
@@ -544,7 +559,9 @@ class TaskConfig:
         "data.max_response_length >= 24)",
     )
     cache_dir: str | None = doc(
-        None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"
+        None,
+        "where the task's data and warmed-up model live; null = $TEARLESS_CACHE, else "
+        "$XDG_CACHE_HOME/tearless, else ~/.cache/tearless",
     )
     num_train: int = doc(2000, "generated training prompts")
     num_val: int = doc(200, "generated held-out prompts")

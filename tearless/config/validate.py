@@ -207,6 +207,7 @@ def validate(cfg: Config) -> None:
     _one_of("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
+    _check_logger_packages(cfg.trainer.logger)
     crf = cfg.custom_reward_function
     if crf.path is not None and not os.path.isfile(crf.path):
         _fail(
@@ -358,6 +359,20 @@ def _validate_ranges(cfg: Config) -> None:
             _fail(key, f"must be -1 (off) or a number of tokens, got {value}", "Use -1 to disable top-k.")
     for key, value in [("task.num_train", cfg.task.num_train), ("task.num_val", cfg.task.num_val)]:
         _positive(key, value)
+
+
+def _check_logger_packages(loggers: list) -> None:
+    """A logger whose package is missing is refused before any model loads (veRL scripts ask for wandb)."""
+    import importlib.util
+
+    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard"), ("mlflow", "mlflow")):
+        if name in loggers and importlib.util.find_spec(package) is None:
+            _fail(
+                "trainer.logger",
+                f"{name} is not installed",
+                f"pip install 'tearless[logging]' (or {package}), or drop {name} from the list "
+                "(metrics.jsonl is always written)",
+            )
 
 
 def _critic_on(cfg: Config) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -106,7 +107,8 @@ class BatchRewardManager(_Manager):
             if os.getpid() != pid:
                 os._exit(0)  # a process it forked must not go on as a second trainer
             error = f"raised: {type(exc).__name__}: {exc}"
-            return [ScoreResult(self.failure_score, {}, error) for _ in items]
+            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            return [ScoreResult(self.failure_score, {}, error, traceback=tb) for _ in items]
         if os.getpid() != pid:
             os._exit(0)
         if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):

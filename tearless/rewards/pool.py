@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -83,10 +84,17 @@ def evaluate(
     except catch as exc:
         if os.getpid() != pid:
             os._exit(0)
-        return ("err", f"raised: {type(exc).__name__}: {exc}")
+        return ("err", f"raised: {type(exc).__name__}: {exc}", _user_traceback(exc))
     if os.getpid() != pid:
         os._exit(0)
     return check_value(value)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback of an exception raised by a reward function, without the frame of
+    :func:`evaluate` that called it (the user's own frames are what explain the failure)."""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def check_value(value: Any) -> Outcome:

@@ -59,7 +59,12 @@ class TaskFiles:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("TEARLESS_CACHE", Path.home() / ".cache" / "tearless")).expanduser()
+    """``$TEARLESS_CACHE``, else ``$XDG_CACHE_HOME/tearless``, else ``~/.cache/tearless``."""
+    if os.environ.get("TEARLESS_CACHE"):
+        return Path(os.environ["TEARLESS_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
+    return base / "tearless"
 
 
 def tiny_llama(

@@ -37,6 +37,7 @@ from tearless.trainers import resume_compat, runlock
 from tearless.trainers.collect import collect
 from tearless.trainers.metrics import Timer, data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
+from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
 from tearless.workers.actor import on_policy, reward_kl
@@ -84,13 +85,24 @@ class RLTrainer:
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,
             filter_overlong_prompts=data.filter_overlong_prompts,
+            chat_template=data.chat_template,
+            template_kwargs=dict(data.apply_chat_template_kwargs),
         )
-        self.train_set = PromptDataset(load_many(train_files), self.tokenizer, source=str(train_files), **dkw)
+        train_rows = load_many(train_files)
+        if data.train_max_samples > 0:
+            train_rows = train_rows[: data.train_max_samples]
+        self.train_set = PromptDataset(train_rows, self.tokenizer, source=str(train_files), **dkw)
         val_rows = load_many(val_files)
         if data.val_max_samples > 0:
             val_rows = val_rows[: data.val_max_samples]
         self.val_set = PromptDataset(val_rows, self.tokenizer, source=str(val_files), **dkw)
         for name, dataset in (("training", self.train_set), ("validation", self.val_set)):
+            if dataset.num_unknown:
+                self.log(
+                    f"warning: {dataset.num_unknown} of {len(dataset)} {name} prompts hold the tokenizer's "
+                    "unknown token: the model cannot read part of them (check the tokenizer, or the "
+                    "chat template's text)"
+                )
             if dataset.num_filtered:
                 self.log(
                     f"data.filter_overlong_prompts: dropped {dataset.num_filtered} {name} prompts longer "
@@ -113,6 +125,7 @@ class RLTrainer:
         self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
         self.skipped = {"actor": 0.0, "critic": 0.0}  # optimizer steps skipped so far, per role
         self.response_length = arr.rollout.response_length or data.max_response_length
+        self.reward_errors = RewardErrors(cfg.reward_model.tolerate_failed_steps, self.log)
         self.start_step, resume_dir = self._find_resume()
         roles = ("actor",) + (("ref",) if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else ())
         roles += ("critic",) if critic_enabled(cfg) else ()
@@ -232,8 +245,13 @@ class RLTrainer:
         return self.loader.batch(epoch, i)
 
     def generate(self, prompts: list[dict], *, keys: list[int] | None, n: int, **sampling: Any) -> Rollout:
-        """``n`` scored responses per prompt from the worker group."""
-        return self.workers.generate(prompts, n=n, keys=keys, max_new_tokens=self.response_length, **sampling)
+        """``n`` scored responses per prompt from the worker group; reward errors are reported (and a
+        round whose every sample failed stops the run) by :mod:`tearless.trainers.reward_errors`."""
+        rollout = self.workers.generate(
+            prompts, n=n, keys=keys, max_new_tokens=self.response_length, **sampling
+        )
+        self.reward_errors.report(rollout.errors, len(rollout.items))
+        return rollout
 
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step: rollout and reward → log-probs and values → advantages → updates."""
@@ -418,7 +436,7 @@ class RLTrainer:
         state = getattr(self, "_resume_state", None)
         record = state.get("step_metrics") if state else None
         path = self.run_dir / "metrics.jsonl"
-        if not record or "jsonl" not in self.cfg.trainer.logger:
+        if not record:
             return
         steps = [r.get("step") for r in read_metrics(path)]
         if self.start_step not in steps:
