@@ -144,7 +144,9 @@ def test_micro_batching_and_dynamic_batching_leave_the_update_unchanged(model_an
         other, other_grads, other_metrics = updated(model, td, **common, **extra)
         pairs = zip(whole.named_parameters(), other.parameters(), model.parameters(), strict=True)
         for (pname, a), b, start in pairs:
-            assert_same_sgd_result(b, a, start, steps, terms, msg=lambda m, n=name, p=pname: f"{n}: {p}: {m}")
+            assert_same_sgd_result(
+                b, a, start, steps, terms, msg=lambda m, n=name, p=pname: f"{n}: {p}: {m}"
+            )
         for (pname, _), a, b in zip(whole.named_parameters(), whole_grads, other_grads, strict=True):
             assert_same_gradient(
                 b / scale, a / scale, terms, msg=lambda m, n=name, p=pname: f"{n}: grad of {p}: {m}"
