@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--preset",
         help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
-        "reinforce_pp, remax, gspo, search_r1 (files in tearless/config/presets/)",
+        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves "
+        "(files in tearless/config/presets/)",
     )
     train.add_argument(
         "--fresh", action="store_true", help="rebuild the embedded task's cached data and model"
@@ -178,7 +179,7 @@ def _data(args: argparse.Namespace) -> int:
                 print(f"{path}: {summary['rows'][split]} rows{note}")
             return 0
         if args.data_command == "make":
-            from tearless.data.make import make_task
+            from tearless.data.make import make_task, train_command
 
             paths = make_task(
                 args.task,
@@ -190,6 +191,7 @@ def _data(args: argparse.Namespace) -> int:
             )
             for split, path in paths.items():
                 print(f"{path}: {args.num_train if split == 'train' else args.num_test} rows")
+            print(f"train on it with:\n  {train_command(args.task, paths)}")
             return 0
         from tearless.data.inspection import inspect_file
 

@@ -167,3 +167,16 @@ def test_script_trains_two_steps(name, task, tmp_path, capsys):
         assert 0.0 <= r["critic/score/mean"] <= 1.0
     if name.startswith("ppo"):
         assert all("critic/vf_loss" in r for r in steps)
+
+
+def test_the_docs_page_lists_every_rule():
+    page = (Path(__file__).parents[2] / "docs" / "verl-compat.md").read_text()
+    missing = [r.pattern for r in RULES if f"| `{r.pattern}` |" not in page]
+    assert missing == []
+
+
+def test_sft_takes_verls_partial_pretrain(tmp_path):
+    from tearless.config.sft import SFTConfig
+
+    cfg = load_config(None, [f"model.partial_pretrain={tmp_path}"], schema=SFTConfig)
+    assert cfg.model.path == str(tmp_path)
