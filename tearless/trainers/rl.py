@@ -443,6 +443,16 @@ class RLTrainer:
             with open(path, "a") as f:
                 f.write(json.dumps({"step": self.start_step, **record}) + "\n")
 
+    def _warn_truncation(self, metrics: dict[str, float]) -> None:
+        """Warn once when most of a step's responses hit the response cap (answers cut before they end)."""
+        share = metrics.get("response_length/clip_ratio", 0.0)
+        if share > 0.5 and not getattr(self, "_warned_truncation", False):
+            self._warned_truncation = True
+            self.log(
+                f"warning: {share:.0%} of this step's responses reached the cap of {self.response_length} "
+                "tokens and were cut before they ended; raise data.max_response_length"
+            )
+
     def _count_bad_step(self, metrics: dict[str, float]) -> None:
         """Track optimizer steps skipped this step (from the roles' counters) and the run of bad steps."""
         before = sum(self.skipped.values())
@@ -450,6 +460,7 @@ class RLTrainer:
             self.skipped[role] = metrics.get(f"{role}/skipped_steps", self.skipped[role])
         self.bad_steps = self.bad_steps + 1 if sum(self.skipped.values()) > before else 0
         metrics["training/bad_steps_in_a_row"] = float(self.bad_steps)
+        metrics["training/total_steps"] = float(self.total_steps)  # the report tells finished from stopped
 
     def _bad_steps_message(self, step: int, checkpoint: str) -> str:
         first = step - self.bad_steps + 1
@@ -529,6 +540,7 @@ class RLTrainer:
                         summary["checkpoint"] = str(self.save(step, metrics))
                     metrics.update(timer.metrics())
                 faults.point("metrics", step)
+                self._warn_truncation(metrics)
                 tracker.log(metrics, step)
                 if stop:
                     raise TrainingStopped(self._bad_steps_message(step, summary["checkpoint"]))
