@@ -504,7 +504,9 @@ class TrainerConfig:
     keep_freed_memory: bool = doc(True, KEEP_FREED_MEMORY_DOC)
     log_freq: int = doc(10, "print a metrics table every N steps")
     num_rollout_samples: int = doc(
-        8, "rollout samples per step written to rollouts.jsonl.gz (tearless samples RUN_DIR); 0 = none"
+        -1,
+        "rollout samples per step written to rollouts.jsonl.gz (tearless samples RUN_DIR): -1 = every "
+        "sample of every prompt group (so --worst K is the step's worst), N = the first N, 0 = none",
     )
     rollout_log_max_mb: float = doc(
         100.0, "stop writing rollout samples once rollouts.jsonl.gz would pass this size in MiB; 0 = no cap"

@@ -333,12 +333,17 @@ def _validate_ranges(cfg: Config) -> None:
         ("actor_rollout_ref.actor.kl_loss_coef", arr.actor.kl_loss_coef),
         ("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef),
         ("trainer.rollout_log_max_mb", t.rollout_log_max_mb),
-        ("trainer.num_rollout_samples", t.num_rollout_samples),
         ("trainer.critic_warmup", t.critic_warmup),
         ("task.warmup_steps", cfg.task.warmup_steps),
     ]:
         if value is not None:
             _positive(key, value, allow_zero=True)
+    if t.num_rollout_samples < -1:
+        _fail(
+            "trainer.num_rollout_samples",
+            f"must be -1 (every sample), 0 (none) or a count, got {t.num_rollout_samples}",
+            "Use -1 to record every prompt group of each step.",
+        )
     for key, value in [("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)]:
         _in_range(key, value, 0.0, 1.0, "γ and λ are in [0, 1]; 1.0 is the usual value for LLM RL.")
     if alg.kl_ctrl.type == "adaptive":

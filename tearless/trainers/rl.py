@@ -400,12 +400,13 @@ class RLTrainer:
         )
 
     def _dump_samples(self, step: int, rollout: Rollout, uids: list[str], advantages: torch.Tensor) -> None:
-        """Append up to ``trainer.num_rollout_samples`` of this step's samples to the rollout records,
-        unless the file has reached ``trainer.rollout_log_max_mb``."""
+        """Append this step's samples (every prompt group's, or the first ``trainer.num_rollout_samples``)
+        to the rollout records, unless the file has reached ``trainer.rollout_log_max_mb``."""
         t = self.cfg.trainer
         items, mask = rollout.items, rollout.out.response_mask
         records = []
-        for i in range(min(t.num_rollout_samples, len(items))):
+        count = len(items) if t.num_rollout_samples < 0 else min(t.num_rollout_samples, len(items))
+        for i in range(count):
             valid = mask[i].bool()
             record = {
                 "step": step,

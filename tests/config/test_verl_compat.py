@@ -167,6 +167,12 @@ def test_script_trains_two_steps(name, task, tmp_path, capsys):
         assert 0.0 <= r["critic/score/mean"] <= 1.0
     if name.startswith("ppo"):
         assert all("critic/vf_loss" in r for r in steps)
+    # Every sample of every prompt group is recorded by default (trainer.num_rollout_samples=-1).
+    from tearless.trainers.records import ROLLOUTS_FILE, read_records
+
+    records = read_records(tmp_path / ROLLOUTS_FILE)
+    per_step = {"ppo_deepseek7b_llm": 32 * 1}.get(name, 8 * 5)  # prompts × rollout.n of the script
+    assert [sum(r["step"] == s for r in records) for s in (1, 2)] == [per_step, per_step]
 
 
 def test_the_docs_page_lists_every_rule():
