@@ -1,7 +1,8 @@
 """``tearless <command> key=value …``: the command-line interface.
 
-Commands: ``train`` (RL training, veRL-style dotted overrides), ``sft`` and ``dpo`` (the offline
-trainers), ``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
+Commands: ``train`` (RL training, veRL-style dotted overrides), ``eval`` (score a model on a
+dataset with the validation metrics), ``sft`` and ``dpo`` (the offline trainers),
+``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
 ``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
 and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
 Heavy imports happen inside the commands so ``tearless --help`` is quick.
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="YAML file merged over the defaults")
     show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     _add_data_parser(sub)
+    _add_eval_parser(sub)
     _add_offline_parsers(sub)
     _add_report_parsers(sub)
     _add_samples_parser(sub)
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if args.command == "data":
         return _data(args)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "samples":
         return _samples(args)
     if args.command.startswith("flow-"):
@@ -208,6 +212,75 @@ def _data(args: argparse.Namespace) -> int:
     except (DataError, FileNotFoundError) as e:
         print(f"tearless: data error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="score a model or checkpoint on a dataset: greedy accuracy, mean@n, pass@k (as validation)",
+        description="Score MODEL (a Hugging Face model directory, or a run's global_step_N checkpoint) on "
+        "data.val_files with the reward and validation metrics of training (greedy accuracy and reward; "
+        "with actor_rollout_ref.rollout.val_kwargs.do_sample, mean@n and pass@k), and write them as JSON.",
+    )
+    ev.add_argument("model", metavar="CHECKPOINT_OR_MODEL", help="model directory or global_step_N directory")
+    ev.add_argument("--out", default="eval.json", help="JSON file to write (default: eval.json)")
+    ev.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
+    ev.add_argument("overrides", nargs="*", help="dotted key=value overrides; data.val_files=… is required")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """``tearless eval``: the trainer's validation alone (``trainer.val_only``) on the given model, in a
+    scratch run directory; exit 2 on a config error, 1 on bad data."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tearless.config import ConfigError, load_config
+    from tearless.data.rows import DataError
+    from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
+    from tearless.trainers.rl import RLTrainer
+
+    model = Path(args.model)
+    if (model / "actor" / "config.json").is_file():  # a checkpoint: its HF model is global_step_N/actor
+        model = model / "actor"
+    given = {item.split("=", 1)[0].lstrip("+") for item in args.overrides}
+    if "data.val_files" not in given:
+        print(
+            "tearless: config error: tearless eval needs data.val_files=FILE (the dataset to score)",
+            file=sys.stderr,
+        )
+        return 2
+    val_files = next(
+        x.split("=", 1)[1] for x in args.overrides if x.lstrip("+").startswith("data.val_files=")
+    )
+    with tempfile.TemporaryDirectory(prefix="tearless-eval-") as scratch:
+        overrides = [
+            f"actor_rollout_ref.model.path={model}",
+            *([] if "data.train_files" in given else [f"data.train_files={val_files}"]),
+            f"trainer.default_local_dir={scratch}",
+            "trainer.resume_mode=disable",
+            "trainer.logger=[]",
+            *args.overrides,
+            "trainer.val_only=true",
+            "trainer.val_before_train=true",
+        ]
+        try:
+            cfg = load_config(args.config, overrides)
+        except ConfigError as e:
+            print(f"tearless: config error: {e}", file=sys.stderr)
+            return 2
+        try:
+            summary = RLTrainer(cfg, log=lambda _: None).fit()
+        except (DataError, FileNotFoundError, RewardError, RewardFunctionError, UnknownDataSource) as e:
+            print(f"tearless: error: {e}", file=sys.stderr)
+            return 1
+    metrics = {k: v for k, v in summary["before"].items() if k.startswith(("val-core/", "val/"))}
+    result = {"model": str(model), "data": val_files, "metrics": metrics}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for key in sorted(metrics):
+        print(f"{key:<40} {metrics[key]:.4f}")
+    print(f"written: {args.out}")
+    return 0
 
 
 def add_config_command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
