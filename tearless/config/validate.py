@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 from typing import Any
 
 from tearless.config.schema import Config
@@ -371,7 +372,8 @@ def _check_logger_packages(loggers: list) -> None:
     import importlib.util
 
     for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard"), ("mlflow", "mlflow")):
-        if name in loggers and importlib.util.find_spec(package) is None:
+        # A module already imported (or put in sys.modules) counts as installed.
+        if name in loggers and package not in sys.modules and importlib.util.find_spec(package) is None:
             _fail(
                 "trainer.logger",
                 f"{name} is not installed",
