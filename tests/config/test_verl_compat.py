@@ -171,7 +171,8 @@ def test_script_trains_two_steps(name, task, tmp_path, capsys):
     from tearless.trainers.records import ROLLOUTS_FILE, read_records
 
     records = read_records(tmp_path / ROLLOUTS_FILE)
-    per_step = {"ppo_deepseek7b_llm": 32 * 1}.get(name, 8 * 5)  # prompts × rollout.n of the script
+    # prompts × rollout.n: the PPO script leaves n to the default, tearless's 8 (veRL's is 1).
+    per_step = {"ppo_deepseek7b_llm": 32 * 8}.get(name, 8 * 5)
     assert [sum(r["step"] == s for r in records) for s in (1, 2)] == [per_step, per_step]
 
 
