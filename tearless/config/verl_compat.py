@@ -428,7 +428,8 @@ RULES: list[Rule] = [
     ),
     Rule(
         f"{ARR}.rollout.layered_summon",
-        "veRL gathers LoRA weights layer by layer for its vLLM server; tearless's engines take the policy's weights through its own weight sync",
+        "veRL gathers LoRA weights layer by layer for its vLLM server; tearless's engines take the "
+        "policy's weights through its own weight sync",
     ),
     # The critic.
     *_worker_rules("critic"),
