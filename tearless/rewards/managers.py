@@ -31,12 +31,11 @@ from __future__ import annotations
 import inspect
 import math
 import os
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from tearless.rewards.manager import RewardError, RewardManager, ScoreResult
-from tearless.rewards.pool import check_value
+from tearless.rewards.pool import check_value, user_traceback
 from tearless.rewards.registry import compute_score
 from tearless.rewards.sandbox import SandboxError
 
@@ -107,7 +106,7 @@ class BatchRewardManager(_Manager):
             if os.getpid() != pid:
                 os._exit(0)  # a process it forked must not go on as a second trainer
             error = f"raised: {type(exc).__name__}: {exc}"
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+            tb = user_traceback(exc)
             return [ScoreResult(self.failure_score, {}, error, traceback=tb) for _ in items]
         if os.getpid() != pid:
             os._exit(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tearless.rewards import RewardError
+from tearless.rewards.pool import with_source
 
 # Distinct messages whose traceback is printed; later new messages are only counted (a function that
 # embeds the sample in its message would otherwise print one traceback per sample).
@@ -37,11 +38,11 @@ class RewardErrors:
             if first and len(self.counts) <= MAX_PRINTED:
                 self.log(
                     f"reward function error ({count} of {num_samples} samples this round; each gets "
-                    f"reward_model.failure_score):\n{tb.rstrip()}"
+                    f"reward_model.failure_score):\n{with_source(tb.rstrip())}"
                 )
         failed = sum(count for count, _ in errors.values())
         if num_samples and failed == num_samples and not self.tolerate:
-            tb = max(errors.values(), key=lambda e: e[0])[1].rstrip()
+            tb = with_source(max(errors.values(), key=lambda e: e[0])[1].rstrip())
             raise RewardError(
                 f"the reward function failed on all {num_samples} samples of a generation round, so "
                 f"there is nothing to learn from:\n{tb}\nFix the function, or set "

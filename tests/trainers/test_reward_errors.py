@@ -7,6 +7,7 @@ import pytest
 
 from tearless import train
 from tearless.rewards import RewardError, RewardManager
+from tearless.rewards.pool import with_source
 from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import read_metrics
 from tearless.workers.scoring import distinct_errors
@@ -37,8 +38,18 @@ def test_distinct_errors_group_by_message_with_the_functions_traceback():
     assert list(errors) == ["raised: ValueError: odd sample"]
     count, tb = errors["raised: ValueError: odd sample"]
     assert count == 2
-    assert "in odd_fails" in tb and 'raise ValueError("odd sample")' in tb
+    assert "in odd_fails" in tb and tb.endswith("ValueError: odd sample\n")
+    # Source lines are added where it is printed (a confined worker may not open files).
+    assert 'raise ValueError("odd sample")' in with_source(tb)
     assert [r.score for r in results] == [1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_traceback_comes_back_from_worker_processes_too(workers):
+    with RewardManager(odd_fails, num_workers=workers) as manager:
+        results = manager.score(_items(2))
+    assert results[1].error == "raised: ValueError: odd sample"
+    assert "in odd_fails" in results[1].traceback
 
 
 def test_each_distinct_error_prints_once_and_an_all_failed_round_stops():
