@@ -9,7 +9,8 @@ died, and forks a replacement, so the pool keeps its size.
 
 Outcomes are ``("ok", score, extras, steps)``, ``("err", message[, traceback])`` or
 ``("fatal", message)`` (the code sandbox cannot run at all,
-:class:`~tearless.rewards.sandbox.SandboxError`: every sample would fail the same way, so the manager stops the run instead of scoring it 0); ``steps`` is None or
+:class:`~tearless.rewards.sandbox.SandboxError`: every sample would fail the same way, so the
+manager stops the run instead of scoring it 0); ``steps`` is None or
 ``(step_scores, step_ends)`` (see :mod:`tearless.rewards.steps`).
 
 What user code may do without breaking the pool: raise, call ``sys.exit``, kill its own worker,
