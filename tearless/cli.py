@@ -1,7 +1,8 @@
 """``tearless <command> key=value …``: the command-line interface.
 
-Commands: ``train`` (RL training, veRL-style dotted overrides), ``sft`` and ``dpo`` (the offline
-trainers), ``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
+Commands: ``train`` (RL training, veRL-style dotted overrides), ``eval`` (score a model on a
+dataset with the validation metrics), ``sft`` and ``dpo`` (the offline trainers),
+``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
 ``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
 and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
 Heavy imports happen inside the commands so ``tearless --help`` is quick.
@@ -15,6 +16,9 @@ import sys
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tearless", description="RL post-training that runs on a laptop CPU.")
+    from tearless import __version__
+
+    p.add_argument("--version", action="version", version=f"tearless {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train", help="run RL training (default: GRPO on the embedded arithmetic task)", add_help=False
@@ -26,7 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--preset",
         help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
-        "reinforce_pp, remax, gspo, search_r1 (files in tearless/config/presets/)",
+        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves "
+        "(files in tearless/config/presets/)",
     )
     train.add_argument(
         "--fresh", action="store_true", help="rebuild the embedded task's cached data and model"
@@ -37,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--config", help="YAML file merged over the defaults")
     show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     _add_data_parser(sub)
+    _add_eval_parser(sub)
     _add_offline_parsers(sub)
     _add_report_parsers(sub)
     _add_samples_parser(sub)
@@ -58,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     if args.command == "data":
         return _data(args)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "samples":
         return _samples(args)
     if args.command.startswith("flow-"):
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
     if args.command == "config" or getattr(args, "help", False):
-        print(describe(cfg))
+        usage = _options_help(parser, args.command) if getattr(args, "help", False) else ""
+        print(usage + describe(cfg))
         return 0
     from tearless.data.rows import DataError
     from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
@@ -177,7 +186,7 @@ def _data(args: argparse.Namespace) -> int:
                 print(f"{path}: {summary['rows'][split]} rows{note}")
             return 0
         if args.data_command == "make":
-            from tearless.data.make import make_task
+            from tearless.data.make import make_task, train_command
 
             paths = make_task(
                 args.task,
@@ -189,6 +198,7 @@ def _data(args: argparse.Namespace) -> int:
             )
             for split, path in paths.items():
                 print(f"{path}: {args.num_train if split == 'train' else args.num_test} rows")
+            print(f"train on it with:\n  {train_command(args.task, paths)}")
             return 0
         from tearless.data.inspection import inspect_file
 
@@ -205,6 +215,75 @@ def _data(args: argparse.Namespace) -> int:
     except (DataError, FileNotFoundError) as e:
         print(f"tearless: data error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser(
+        "eval",
+        help="score a model or checkpoint on a dataset: greedy accuracy, mean@n, pass@k (as validation)",
+        description="Score MODEL (a Hugging Face model directory, or a run's global_step_N checkpoint) on "
+        "data.val_files with the reward and validation metrics of training (greedy accuracy and reward; "
+        "with actor_rollout_ref.rollout.val_kwargs.do_sample, mean@n and pass@k), and write them as JSON.",
+    )
+    ev.add_argument("model", metavar="CHECKPOINT_OR_MODEL", help="model directory or global_step_N directory")
+    ev.add_argument("--out", default="eval.json", help="JSON file to write (default: eval.json)")
+    ev.add_argument("--config", help="YAML file merged over the defaults (overrides still win)")
+    ev.add_argument("overrides", nargs="*", help="dotted key=value overrides; data.val_files=… is required")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """``tearless eval``: the trainer's validation alone (``trainer.val_only``) on the given model, in a
+    scratch run directory; exit 2 on a config error, 1 on bad data."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tearless.config import ConfigError, load_config
+    from tearless.data.rows import DataError
+    from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
+    from tearless.trainers.rl import RLTrainer
+
+    model = Path(args.model)
+    if (model / "actor" / "config.json").is_file():  # a checkpoint: its HF model is global_step_N/actor
+        model = model / "actor"
+    given = {item.split("=", 1)[0].lstrip("+") for item in args.overrides}
+    if "data.val_files" not in given:
+        print(
+            "tearless: config error: tearless eval needs data.val_files=FILE (the dataset to score)",
+            file=sys.stderr,
+        )
+        return 2
+    val_files = next(
+        x.split("=", 1)[1] for x in args.overrides if x.lstrip("+").startswith("data.val_files=")
+    )
+    with tempfile.TemporaryDirectory(prefix="tearless-eval-") as scratch:
+        overrides = [
+            f"actor_rollout_ref.model.path={model}",
+            *([] if "data.train_files" in given else [f"data.train_files={val_files}"]),
+            f"trainer.default_local_dir={scratch}",
+            "trainer.resume_mode=disable",
+            "trainer.logger=[]",
+            *args.overrides,
+            "trainer.val_only=true",
+            "trainer.val_before_train=true",
+        ]
+        try:
+            cfg = load_config(args.config, overrides)
+        except ConfigError as e:
+            print(f"tearless: config error: {e}", file=sys.stderr)
+            return 2
+        try:
+            summary = RLTrainer(cfg, log=lambda _: None).fit()
+        except (DataError, FileNotFoundError, RewardError, RewardFunctionError, UnknownDataSource) as e:
+            print(f"tearless: error: {e}", file=sys.stderr)
+            return 1
+    metrics = {k: v for k, v in summary["before"].items() if k.startswith(("val-core/", "val/"))}
+    result = {"model": str(model), "data": val_files, "metrics": metrics}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    for key in sorted(metrics):
+        print(f"{key:<40} {metrics[key]:.4f}")
+    print(f"written: {args.out}")
+    return 0
 
 
 def add_config_command(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:
@@ -248,15 +327,32 @@ def _offline(args: argparse.Namespace) -> int:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
     if args.help:
-        print(describe(cfg))
+        print(_options_help(_parser(), args.command) + describe(cfg))
         return 0
+    from tearless.data.rows import DataError
+    from tearless.trainers.checkpoint import CheckpointError
+
     if args.command == "sft":
         from tearless.trainers.sft import SFTTrainer as trainer
     else:
         from tearless.trainers.dpo import DPOTrainer as trainer
-    summary = trainer(cfg).fit()
+    try:
+        summary = trainer(cfg).fit()
+    except (DataError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+        # Bad data files or rows: the message names the file, row and fix; a traceback would bury it.
+        print(f"tearless: error: {e}", file=sys.stderr)
+        return 1
     print(format_summary(summary, accuracies_only=False, digits=4))
     return 0
+
+
+def _options_help(parser: argparse.ArgumentParser, command: str) -> str:
+    """The command's usage and options (``--preset``, ``--config``, ``--fresh``…), then a heading for
+    the config keys that follow."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if command not in sub.choices:
+        return ""
+    return sub.choices[command].format_help() + "\nconfig keys (key = value, then its doc):\n"
 
 
 def _add_report_parsers(sub: argparse._SubParsersAction) -> None:

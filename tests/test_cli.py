@@ -116,3 +116,50 @@ def test_format_summary_by_hand():
     ]
     assert lines[1] == "run directory: runs/x (5 steps, 62 s)"
     assert len(lines) == 2  # reward/* lines are not accuracies
+
+
+def test_version_and_train_help_show_the_options():
+    from tearless import __version__
+
+    proc = cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"tearless {__version__}"
+    out = cli("train", "--help").stdout
+    head = out.split("config keys")[0]
+    for option in ("--preset PRESET", "--config CONFIG", "--fresh"):
+        assert option in head
+    assert "data.train_batch_size = 16" in out
+    assert "--preset" not in cli("config", "show").stdout
+
+
+def test_sft_data_errors_are_one_message_without_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"nothing": 1}\n')
+    proc = cli("sft", f"data.train_files={bad}", "trainer.total_training_steps=1")
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("tearless: error: ") and str(bad) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_eval_scores_a_model_with_the_validation_metrics(task, tmp_path, capsys):
+    from tearless.cli import main
+
+    out = tmp_path / "scores.json"
+    code = main(
+        ["eval", str(task.model_dir), f"data.val_files={task.val_file}", "data.val_max_samples=8",
+         "reward_model.num_workers=0", "--out", str(out)]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(out.read_text())
+    metrics = result["metrics"]
+    assert result["model"] == str(task.model_dir)
+    # Greedy accuracy over 8 prompts is a multiple of 1/8; mean@4 over 32 samples a multiple of 1/32;
+    # pass@k grows with k and pass@1 equals mean@4 (the unbiased estimator).
+    greedy = metrics["val-core/arithmetic/acc/greedy"]
+    assert 0.0 <= greedy <= 1.0 and (greedy * 8) == round(greedy * 8)
+    mean4 = metrics["val-core/arithmetic/acc/mean@4"]
+    assert (mean4 * 32) == round(mean4 * 32)
+    assert metrics["val-core/arithmetic/acc/pass@1"] == pytest.approx(mean4)
+    assert mean4 <= metrics["val-core/arithmetic/acc/pass@2"] <= metrics["val-core/arithmetic/acc/pass@4"]
+    assert "val-core/arithmetic/acc/greedy" in capsys.readouterr().out
+    assert main(["eval", str(task.model_dir)]) == 2  # data.val_files is required

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,36 @@ def _container_clash(base: Any, layer: Any, source: str) -> ConfigError | None:
     )
 
 
+def _keys_of(schema: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The schema's keys and its sections (every proper prefix of a key)."""
+    keys = frozenset(k for k, _ in _all_keys(schema))
+    sections = frozenset(k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1))
+    return keys, sections
+
+
+def _from_verl(layer: Any, source: str, schema: type, notify: Callable[[str], None] | None) -> Any:
+    """One config layer with veRL-only keys translated (tearless.config.verl_compat) and a single
+    ``trainer.logger`` name made a list."""
+    from tearless.config.verl_compat import Refused, rules_for, translate
+
+    tree = OmegaConf.to_container(layer, resolve=False)
+    if not isinstance(tree, dict):
+        return layer
+    trainer = tree.get("trainer")
+    if isinstance(trainer, dict) and isinstance(trainer.get("logger"), str):
+        trainer["logger"] = [trainer["logger"]]
+    keys, sections = _keys_of(schema)
+
+    def known(key: str) -> str | None:
+        return "leaf" if key in keys else "section" if key in sections else None
+
+    say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
+    try:
+        return OmegaConf.create(translate(tree, known, source, say, rules_for(schema.__name__)))
+    except Refused as e:
+        raise ConfigError(str(e)) from e
+
+
 def _dotlist(overrides: Iterable[str]) -> list[str]:
     items = []
     for item in overrides:
@@ -129,6 +160,7 @@ def load_config(
     preset: str | None = None,
     validate_config: bool = True,
     schema: type = Config,
+    notify: Callable[[str], None] | None = None,
 ) -> Any:
     """Merge the defaults with ``config`` (a :class:`Config`, a dict, or a YAML path) and ``overrides``.
 
@@ -137,7 +169,10 @@ def load_config(
     other trainers pass theirs). A schema with a ``validate()`` method has it called after merging.
 
     ``overrides`` are dotted ``key=value`` strings, veRL style. Unknown keys, wrong types and
-    impossible combinations raise :class:`ConfigError` naming the key and the fix.
+    impossible combinations raise :class:`ConfigError` naming the key and the fix. veRL keys that
+    tearless has no field for follow :mod:`tearless.config.verl_compat`: taken by their tearless
+    equivalent, accepted with a one-line note passed to ``notify`` (default: printed to stderr), or
+    refused. ``trainer.logger`` may be one name (``console``), as veRL's scripts write it.
     """
     merged = OmegaConf.structured(schema)
     layers: list[tuple[Any, str]] = []
@@ -166,6 +201,7 @@ def load_config(
         except Exception as e:  # OmegaConf's errors, and YAML's own (a control character, say)
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"override {item!r} cannot be parsed: {first}") from e
+    layers = [(_from_verl(layer, source, schema, notify), source) for layer, source in layers]
     for layer, source in layers:
         try:
             merged = OmegaConf.merge(merged, layer)

@@ -50,6 +50,15 @@ class DataConfig:
     shuffle: bool = doc(True, "shuffle training prompts each epoch (seeded by data.seed)")
     seed: int | None = doc(None, "shuffle seed; null = trainer.seed")
     val_max_samples: int = doc(-1, "use at most this many validation prompts (-1 = all)")
+    train_max_samples: int = doc(-1, "use at most this many training prompts, the file's first (-1 = all)")
+    chat_template: str | None = doc(
+        None,
+        "Jinja chat template for chat-format prompts when the tokenizer has none (veRL: "
+        "actor_rollout_ref.model.custom_chat_template); null = the tokenizer's own",
+    )
+    apply_chat_template_kwargs: dict = doc(
+        {}, "extra keyword arguments of tokenizer.apply_chat_template (e.g. {enable_thinking: false})"
+    )
 
 
 @dataclass
@@ -472,6 +481,11 @@ class RewardModelConfig:
     num_workers: int = doc(2, "reward scoring processes (0 = score in the trainer process, no timeout)")
     timeout_s: float = doc(30.0, "per-sample scoring timeout in seconds")
     failure_score: float = doc(0.0, "score given to a sample whose scorer raised or timed out")
+    tolerate_failed_steps: bool = doc(
+        False,
+        "go on when the reward function fails on every sample of a generation round (each sample gets "
+        "failure_score); false = stop the run with the function's traceback",
+    )
 
 
 @dataclass
@@ -500,7 +514,8 @@ class TrainerConfig:
     )
     logger: list = doc(
         ["console", "jsonl"],
-        "loggers: console | jsonl | tensorboard | wandb | mlflow (mlflow: characters it forbids in "
+        "loggers: console | jsonl | tensorboard | wandb | mlflow, a list or one name (veRL's "
+        "logger=console); RUN_DIR/metrics.jsonl is always written (mlflow: characters it forbids in "
         "metric names, such as @, become _; the other loggers keep the original names)",
     )
     default_local_dir: str = doc(
@@ -528,7 +543,9 @@ class TrainerConfig:
     keep_freed_memory: bool = doc(True, KEEP_FREED_MEMORY_DOC)
     log_freq: int = doc(10, "print a metrics table every N steps")
     num_rollout_samples: int = doc(
-        8, "rollout samples per step written to rollouts.jsonl.gz (tearless samples RUN_DIR); 0 = none"
+        -1,
+        "rollout samples per step written to rollouts.jsonl.gz (tearless samples RUN_DIR): -1 = every "
+        "sample of every prompt group (so --worst K is the step's worst), N = the first N, 0 = none",
     )
     rollout_log_max_mb: float = doc(
         100.0, "stop writing rollout samples once rollouts.jsonl.gz would pass this size in MiB; 0 = no cap"
@@ -606,7 +623,9 @@ class TaskConfig:
         "data.max_response_length >= 24)",
     )
     cache_dir: str | None = doc(
-        None, "where the task's data and warmed-up model live; null = $TEARLESS_CACHE or ~/.cache/tearless"
+        None,
+        "where the task's data and warmed-up model live; null = $TEARLESS_CACHE, else "
+        "$XDG_CACHE_HOME/tearless, else ~/.cache/tearless",
     )
     num_train: int = doc(2000, "generated training prompts")
     num_val: int = doc(200, "generated held-out prompts")

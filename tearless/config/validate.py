@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import math
 import os
+import sys
 from typing import Any
 
 from tearless.config.schema import Config
@@ -210,6 +211,7 @@ def validate(cfg: Config) -> None:
     _one_of("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
     for name in cfg.trainer.logger:
         _one_of("trainer.logger", name, LOGGERS)
+    _check_logger_packages(cfg.trainer.logger)
     crf = cfg.custom_reward_function
     if crf.path is not None and not os.path.isfile(crf.path):
         _fail(
@@ -335,12 +337,17 @@ def _validate_ranges(cfg: Config) -> None:
         ("actor_rollout_ref.actor.kl_loss_coef", arr.actor.kl_loss_coef),
         ("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef),
         ("trainer.rollout_log_max_mb", t.rollout_log_max_mb),
-        ("trainer.num_rollout_samples", t.num_rollout_samples),
         ("trainer.critic_warmup", t.critic_warmup),
         ("task.warmup_steps", cfg.task.warmup_steps),
     ]:
         if value is not None:
             _positive(key, value, allow_zero=True)
+    if t.num_rollout_samples < -1:
+        _fail(
+            "trainer.num_rollout_samples",
+            f"must be -1 (every sample), 0 (none) or a count, got {t.num_rollout_samples}",
+            "Use -1 to record every prompt group of each step.",
+        )
     for key, value in [("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)]:
         _in_range(key, value, 0.0, 1.0, "γ and λ are in [0, 1]; 1.0 is the usual value for LLM RL.")
     if alg.kl_ctrl.type == "adaptive":
@@ -361,6 +368,21 @@ def _validate_ranges(cfg: Config) -> None:
             _fail(key, f"must be -1 (off) or a number of tokens, got {value}", "Use -1 to disable top-k.")
     for key, value in [("task.num_train", cfg.task.num_train), ("task.num_val", cfg.task.num_val)]:
         _positive(key, value)
+
+
+def _check_logger_packages(loggers: list) -> None:
+    """A logger whose package is missing is refused before any model loads (veRL scripts ask for wandb)."""
+    import importlib.util
+
+    for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard"), ("mlflow", "mlflow")):
+        # A module already imported (or put in sys.modules) counts as installed.
+        if name in loggers and package not in sys.modules and importlib.util.find_spec(package) is None:
+            _fail(
+                "trainer.logger",
+                f"{name} is not installed",
+                f"pip install 'tearless[logging]' (or {package}), or drop {name} from the list "
+                "(metrics.jsonl is always written)",
+            )
 
 
 def _critic_on(cfg: Config) -> bool:

@@ -64,3 +64,17 @@ def make_task(
         write_parquet(rows, path)
         paths[split] = str(path)
     return paths
+
+
+def train_command(task: str, paths: dict[str, str]) -> str:
+    """The ``tearless train`` command for the files :func:`make_task` wrote.
+
+    Arithmetic fits the defaults and the embedded model. Countdown and knights_knaves prompts are
+    hundreds of tokens (up to ~290 and ~760 with the embedded character-level tokenizer), longer than
+    the embedded model's 128 positions: their presets set the lengths, and the command names the
+    model to bring (a path to fill in).
+    """
+    files = f"data.train_files={paths['train']} data.val_files={paths['test']}"
+    if task == "arithmetic":
+        return f"tearless train {files}"
+    return f"tearless train --preset {task} {files} actor_rollout_ref.model.path=/path/to/an/instruct/model"

@@ -16,20 +16,39 @@ from tearless.data.rows import DataError, normalize_row
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 
 
-def render_prompt(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
-    """Token ids of ``messages`` followed by the start of the assistant's turn.
+def render_prompt(
+    tokenizer: Any,
+    messages: str | Sequence[dict],
+    *,
+    chat_template: str | None = None,
+    template_kwargs: dict | None = None,
+) -> list[int]:
+    """Token ids of a prompt, as TRL and veRL feed it to the model.
 
-    With a chat template this is ``apply_chat_template(messages, add_generation_prompt=True)``. A
-    tokenizer without one (a base model's) gets a plain-text rendering instead, one ``"role: content"``
-    line per message and then ``"assistant: "``, e.g. ``"user: 1+2=\\nassistant: "``, encoded with the
-    tokenizer's usual special tokens (a BOS token, for tokenizers that add one).
+    A plain-text prompt (a string) is encoded as it is, with the tokenizer's usual special tokens (a
+    BOS token, for tokenizers that add one): no template is invented around it. Chat messages go
+    through ``apply_chat_template(messages, add_generation_prompt=True)`` with ``chat_template`` (the
+    user's ``data.chat_template``) or else the tokenizer's own, and ``template_kwargs``
+    (``data.apply_chat_template_kwargs``). Messages for a tokenizer without a chat template raise
+    :class:`DataError`: a base model has no conversation format to guess.
     """
-    if getattr(tokenizer, "chat_template", None) is None:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        return list(tokenizer.encode(text))
+    if isinstance(messages, str):
+        return list(tokenizer.encode(messages))
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            "the prompts are chat messages but the tokenizer has no chat template. Give one with "
+            "data.chat_template='<jinja template>' (veRL: actor_rollout_ref.model.custom_chat_template), "
+            "use a chat model, or write the prompt column as plain text (a string per row), which is fed "
+            "to the model as it is"
+        )
     # transformers 5 returns a BatchEncoding unless return_dict=False; 4.x returns the list already.
     ids = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        list(messages),
+        chat_template=chat_template,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **(template_kwargs or {}),
     )
     return list(ids)
 
@@ -63,7 +82,9 @@ class PromptDataset:
     Args:
         rows: rows in veRL's schema (see :mod:`tearless.data.rows`); checked again here, so rows built
             in memory get the same errors as rows read from a file.
-        tokenizer: a Hugging Face tokenizer; see :func:`render_prompt`.
+        tokenizer: a Hugging Face tokenizer; see :func:`render_prompt`, which also takes
+            ``chat_template`` and ``template_kwargs``. ``num_unknown`` counts the prompts whose ids hold
+            the tokenizer's unknown token.
         max_prompt_length: the longest prompt in tokens (``data.max_prompt_length``).
         truncation: what to do with a longer prompt (``data.truncation``): ``error`` (raise),
             ``left``, ``right`` or ``middle`` (see :func:`truncate`).
@@ -81,6 +102,8 @@ class PromptDataset:
         truncation: str = "error",
         filter_overlong_prompts: bool = False,
         source: str = "<rows>",
+        chat_template: str | None = None,
+        template_kwargs: dict | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
@@ -95,10 +118,21 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.num_filtered = 0
+        # Prompts holding the tokenizer's unknown token (the text has characters its vocabulary lacks).
+        self.num_unknown = 0
+        unk = getattr(tokenizer, "unk_token_id", None)
         self._items: list[dict] = []
         for index, row in enumerate(rows):
+            # A string prompt is plain text, fed as is; normalize_row makes it a user message for the
+            # rest of the pipeline (rewards, records) and keeps the text in prompt_text.
             row = normalize_row(row, where=f"{source}: row {index}")
-            ids = render_prompt(tokenizer, row["prompt"])
+            ids = render_prompt(
+                tokenizer,
+                row.get("prompt_text") or row["prompt"],
+                chat_template=chat_template,
+                template_kwargs=template_kwargs,
+            )
+            self.num_unknown += unk is not None and unk in ids
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
                     self.num_filtered += 1

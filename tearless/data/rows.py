@@ -88,7 +88,8 @@ def normalize_row(row: Any, *, where: str) -> dict:
     """Check one row against the schema and return it with ``prompt`` as a list of messages.
 
     ``where`` names the row in error messages (file and row number). A string prompt becomes
-    ``[{"role": "user", "content": prompt}]``. Message keys whose value is ``None`` are dropped:
+    ``[{"role": "user", "content": prompt}]``, and the string is kept as ``prompt_text`` (fed to the
+    model as it is, TRL's plain-text format). Message keys whose value is ``None`` are dropped:
     parquet stores messages as structs, so a key that only some messages have (``tool_calls``) comes
     back as ``None`` in the others, and chat templates test for a key's presence.
     """
@@ -111,7 +112,9 @@ def normalize_row(row: Any, *, where: str) -> dict:
         kind = str if key == "ability" else dict
         if row.get(key) is not None and not isinstance(row[key], kind):
             raise DataError(f"{where}: {key} must be a {kind.__name__}, got {type(row[key]).__name__}")
-    return {**row, "prompt": _normalize_prompt(row["prompt"], where)}
+    # A plain-text prompt is also kept as ``prompt_text``: the model is fed the text as it is.
+    text = {"prompt_text": row["prompt"]} if isinstance(row["prompt"], str) else {}
+    return {**row, **text, "prompt": _normalize_prompt(row["prompt"], where)}
 
 
 def write_parquet(rows: Sequence[dict], path: str | os.PathLike) -> None:

@@ -12,7 +12,7 @@ characters between ``template(messages[:i], add_generation_prompt=True)`` and
 ``template(messages[:i+1])``, end-of-turn marker included (the model must learn to stop); the
 loss mask is 1 on exactly the tokens that start there. A template that does not render each turn as
 a prefix of the next (one that rewrites earlier turns) is refused with the row named. A tokenizer
-without a chat template renders the conversation as :func:`~tearless.data.prompts.render_prompt`
+without a chat template renders the conversation as :func:`render_plain`
 does and trains on its final assistant message followed by EOS.
 
 Batches are padded (each row one sequence, right padding) or packed (several sequences per row,
@@ -117,6 +117,22 @@ def row_messages(
     return messages
 
 
+def render_plain(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """SFT's rendering of a conversation for a tokenizer without a chat template: one
+    ``"role: content"`` line per message, then ``"assistant: "`` (``"user: 1+2=\\nassistant: "``).
+    SFT writes this format into a base model, so its accuracy check prompts it the same way; the RL
+    trainer does not invent it (it feeds plain-text prompts as they are)."""
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return list(tokenizer.encode(text))
+
+
+def sft_prompt(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """A prompt as SFT trained it: the chat template if the tokenizer has one, else :func:`render_plain`."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return render_plain(tokenizer, messages)
+    return render_prompt(tokenizer, messages)
+
+
 def tokenize_conversation(
     tokenizer: Any, messages: Sequence[dict], *, train_from: int = 0, where: str = "<row>"
 ) -> tuple[list[int], list[int]]:
@@ -132,7 +148,7 @@ def tokenize_conversation(
         last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if last < train_from:
             raise DataError(f"{where}: no assistant message after the prompt")
-        prompt = render_prompt(tokenizer, messages[:last])
+        prompt = render_plain(tokenizer, messages[:last])
         answer = list(tokenizer.encode(messages[last]["content"], add_special_tokens=False))
         answer.append(tokenizer.eos_token_id)
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)

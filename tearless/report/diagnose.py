@@ -34,6 +34,7 @@ KL_RISE_RATIO = 2.0
 KL_MIN_LEVEL = 0.01
 # More than a fifth of the responses cut at response_length: the reward is scoring truncated answers.
 TRUNCATION_HIGH = 0.2
+TRUNCATION_MOST = 0.5  # a share of truncated responses that fires the rule from the first step
 # Dynamic sampling keeps only groups with unequal rewards: below half kept, most groups teach nothing.
 KEPT_PROMPT_LOW = 0.5
 # All advantages within this of zero: every group had equal rewards, so GRPO had no signal that step.
@@ -178,6 +179,9 @@ def kl_drift(history: History) -> Diagnosis | None:
 def truncation(history: History) -> Diagnosis | None:
     points = series(history, "response_length/clip_ratio")
     steps = _persistent(points, lambda v: v > TRUNCATION_HIGH)
+    # Most responses cut in every step is a cap far too short, however few steps the run has.
+    if not steps and points and all(v >= TRUNCATION_MOST for _, v in points):
+        steps = [s for s, _ in points]
     if not steps:
         return None
     return Diagnosis(

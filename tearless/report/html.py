@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tearless.report.diagnose import Diagnosis, History, diagnose, step_ranges
-from tearless.report.plots import Plot, draw_panels
+from tearless.report.plots import Plot, draw_panels, same_as_mean
 from tearless.trainers.tracking import read_metrics
 
 # Config keys a reader wants first; the whole config is in the run's config.json.
@@ -90,7 +90,10 @@ def _is_validation_accuracy(key: str) -> bool:
 def _validation(history: History) -> tuple[dict, dict]:
     """The first and the last validation records (validation metrics only)."""
     records = [
-        {"step": r.get("step", 0), **{k: v for k, v in r.items() if _is_validation_accuracy(k)}}
+        {
+            "step": r.get("step", 0),
+            **{k: v for k, v in r.items() if _is_validation_accuracy(k) and not same_as_mean(k, r)},
+        }
         for r in history
         if any(_is_validation_accuracy(k) for k in r)
     ]
@@ -99,7 +102,11 @@ def _validation(history: History) -> tuple[dict, dict]:
 
 def _summary(run_dir: Path, history: History, config: Mapping) -> str:
     train_steps = [r["step"] for r in history if r.get("step", 0) > 0]
-    total = _lookup(config, "trainer.total_training_steps")
+    # The run's own step count (total_training_steps, or epochs × batches when that is null).
+    logged_total = max(
+        (int(r["training/total_steps"]) for r in history if "training/total_steps" in r), default=0
+    )
+    total = _lookup(config, "trainer.total_training_steps") or logged_total or None
     last = max(train_steps, default=0)
     state = "finished" if total and last >= total else "still going or stopped early"
     checkpoints = sorted(p.name for p in run_dir.glob("global_step_*") if p.is_dir())

@@ -21,9 +21,12 @@ class Panel:
     title: str
     keys: tuple[str, ...] = ()
     prefixes: tuple[str, ...] = ()
+    requires: str | None = None  # drawn only when this metric was logged (values: a critic)
 
     def metrics(self, names: set[str]) -> list[str]:
         """The metrics of this panel among ``names``, in panel order then sorted by name."""
+        if self.requires is not None and self.requires not in names:
+            return []
         exact = [k for k in self.keys if k in names]
         by_prefix = sorted(n for n in names if n.startswith(self.prefixes) and n not in exact)
         return exact + by_prefix if self.prefixes else exact
@@ -44,7 +47,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("Advantages", ("critic/advantages/mean", "critic/advantages/max", "critic/advantages/min")),
     Panel("Value loss", ("critic/vf_loss",)),
     Panel("Explained variance", ("critic/vf_explained_var",)),
-    Panel("Values and returns", ("critic/values/mean", "critic/returns/mean")),
+    # Without a critic the returns are the advantages (shown above): no panel.
+    Panel("Values and returns", ("critic/values/mean", "critic/returns/mean"), requires="critic/values/mean"),
     Panel("Timing per phase (s)", prefixes=("timing_s/",)),
     Panel("Throughput (tokens/s)", ("perf/throughput",)),
 )
@@ -62,8 +66,23 @@ class Plot:
     metrics: list[str]
 
 
+def same_as_mean(key: str, record: Mapping) -> bool:
+    """Whether ``key`` is an unbiased ``…/acc/pass@1`` that equals the record's ``…/acc/mean@n``
+    (pass@1 = c/n averaged = mean@n), so it would only draw a second copy of that line."""
+    if not key.endswith("/acc/pass@1"):
+        return False
+    prefix = key[: -len("pass@1")]
+    return any(k.startswith(prefix + "mean@") for k in record)
+
+
 def _metric_names(histories: Mapping[str, History]) -> set[str]:
-    names = {k for h in histories.values() for r in h for k, v in r.items() if isinstance(v, (int, float))}
+    names = {
+        k
+        for h in histories.values()
+        for r in h
+        for k, v in r.items()
+        if isinstance(v, (int, float)) and not same_as_mean(k, r)
+    }
     names.discard("step")
     # Validation metrics other than accuracies would crowd the panel.
     return {n for n in names if not n.startswith(("val-core/", "val/")) or _VALIDATION_WORD in n}
@@ -99,13 +118,20 @@ def draw_panels(histories: Mapping[str, History], out_dir: Path, dpi: int = 90) 
                     continue
                 steps, values = zip(*points, strict=True)
                 name = metric if len(histories) == 1 else f"{label}: {metric}"
+                # A timing logged only at validation (before and after training) is two far-apart
+                # points: markers, not a line across the run.
+                sparse = metric.startswith("timing_s/") and len(points) * 2 < len(history)
                 ax.plot(
                     steps,
                     values,
                     label=name,
                     color=f"C{(metric_index if len(histories) == 1 else run_index) % 10}",
-                    linestyle="-" if len(histories) == 1 else styles[metric_index % len(styles)],
-                    marker="o" if len(points) < 12 else None,
+                    linestyle="none"
+                    if sparse
+                    else "-"
+                    if len(histories) == 1
+                    else styles[metric_index % len(styles)],
+                    marker="o" if len(points) < 12 or sparse else None,
                     markersize=3,
                 )
                 drawn += 1

@@ -54,13 +54,15 @@ class ScoreResult:
     extra: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     steps: tuple[tuple[float, ...], tuple[int, ...] | None] | None = None
+    # The reward function's traceback when it raised (printed once per distinct error by the trainer).
+    traceback: str | None = field(default=None, compare=False)
 
     @classmethod
     def from_outcome(cls, outcome: tuple, failure_score: float) -> ScoreResult:
-        """The result of a pool outcome, ``("ok", score, extras, steps)`` or ``("err", why)``."""
+        """The result of a pool outcome, ``("ok", score, extras, steps)`` or ``("err", why[, traceback])``."""
         if outcome[0] == "ok":
             return cls(outcome[1], outcome[2], None, outcome[3])
-        return cls(failure_score, {}, outcome[1])
+        return cls(failure_score, {}, outcome[1], traceback=outcome[2] if len(outcome) > 2 else None)
 
 
 def load_reward_function(path: str | Path, name: str = "compute_score") -> Callable[..., Any]:

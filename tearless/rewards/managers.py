@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tearless.rewards.manager import RewardError, RewardManager, ScoreResult
-from tearless.rewards.pool import check_value
+from tearless.rewards.pool import check_value, user_traceback
 from tearless.rewards.registry import compute_score
 from tearless.rewards.sandbox import SandboxError
 
@@ -106,7 +106,8 @@ class BatchRewardManager(_Manager):
             if os.getpid() != pid:
                 os._exit(0)  # a process it forked must not go on as a second trainer
             error = f"raised: {type(exc).__name__}: {exc}"
-            return [ScoreResult(self.failure_score, {}, error) for _ in items]
+            tb = user_traceback(exc)
+            return [ScoreResult(self.failure_score, {}, error, traceback=tb) for _ in items]
         if os.getpid() != pid:
             os._exit(0)
         if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__"):

@@ -7,9 +7,10 @@ sample as soon as it is scored. The parent therefore knows which sample each wor
 when, and kills (SIGKILL) a worker whose current sample runs past the deadline, or notices one that
 died, and forks a replacement, so the pool keeps its size.
 
-Outcomes are ``("ok", score, extras, steps)``, ``("err", message)`` or ``("fatal", message)`` (the
-code sandbox cannot run at all, :class:`~tearless.rewards.sandbox.SandboxError`: every sample would
-fail the same way, so the manager stops the run instead of scoring it 0); ``steps`` is None or
+Outcomes are ``("ok", score, extras, steps)``, ``("err", message[, traceback])`` or
+``("fatal", message)`` (the code sandbox cannot run at all,
+:class:`~tearless.rewards.sandbox.SandboxError`: every sample would fail the same way, so the
+manager stops the run instead of scoring it 0); ``steps`` is None or
 ``(step_scores, step_ends)`` (see :mod:`tearless.rewards.steps`).
 
 What user code may do without breaking the pool: raise, call ``sys.exit``, kill its own worker,
@@ -30,6 +31,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -83,10 +85,38 @@ def evaluate(
     except catch as exc:
         if os.getpid() != pid:
             os._exit(0)
-        return ("err", f"raised: {type(exc).__name__}: {exc}")
+        return ("err", f"raised: {type(exc).__name__}: {exc}", user_traceback(exc))
     if os.getpid() != pid:
         os._exit(0)
     return check_value(value)
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of an exception raised by a reward function, without the frame of
+    :func:`evaluate` that called it. Only file, line and function names: a confined worker may not
+    open files, so the source lines are added where it is printed (:func:`with_source`)."""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+    frames = [
+        f'  File "{frame.f_code.co_filename}", line {lineno}, in {frame.f_code.co_name}\n'
+        for frame, lineno in traceback.walk_tb(tb)
+    ]
+    last = "".join(traceback.format_exception_only(type(exc), exc))
+    return "Traceback (most recent call last):\n" + "".join(frames) + last
+
+
+def with_source(text: str) -> str:
+    """``text`` (a traceback from :func:`user_traceback`) with each frame's source line added."""
+    import linecache
+    import re
+
+    out = []
+    for line in text.splitlines():
+        out.append(line)
+        frame = re.fullmatch(r'  File "(.+)", line (\d+), in .+', line)
+        source = linecache.getline(frame[1], int(frame[2])).strip() if frame else ""
+        if source:
+            out.append(f"    {source}")
+    return "\n".join(out)
 
 
 def check_value(value: Any) -> Outcome:
@@ -198,6 +228,8 @@ def _well_formed(message: Any, expected: int) -> bool:
             and isinstance(outcome[2], dict)
             and (outcome[3] is None or isinstance(outcome[3], tuple))
         )
+    if outcome[0] == "err" and len(outcome) == 3:  # a raised exception: (err, message, traceback)
+        return isinstance(outcome[1], str) and isinstance(outcome[2], str)
     return outcome[0] in ("err", "fatal") and len(outcome) == 2 and isinstance(outcome[1], str)
 
 

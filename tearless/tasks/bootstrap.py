@@ -59,7 +59,12 @@ class TaskFiles:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("TEARLESS_CACHE", Path.home() / ".cache" / "tearless")).expanduser()
+    """``$TEARLESS_CACHE``, else ``$XDG_CACHE_HOME/tearless``, else ``~/.cache/tearless``."""
+    if os.environ.get("TEARLESS_CACHE"):
+        return Path(os.environ["TEARLESS_CACHE"]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
+    return base / "tearless"
 
 
 def tiny_llama(
@@ -167,9 +172,11 @@ def supervised_warmup(
     batch_size: int = 128,
     lr: float = 3e-3,
     teacher: Callable[[dict, random.Random, float], str] = arithmetic_teacher,
+    log: Callable[[str], None] | None = None,
 ) -> list[float]:
     """Train on ``steps × batch_size`` flawed-teacher demonstrations (loss on assistant tokens only)
-    with the SFT trainer's step and default optimizer; return the per-step losses.
+    with the SFT trainer's step and default optimizer; return the per-step losses. ``log`` receives a
+    progress line about every tenth of the steps (the warm-up takes minutes on a laptop).
 
     This is exactly one epoch of ``tearless sft`` with no data arguments and the same task settings.
     """
@@ -188,6 +195,9 @@ def supervised_warmup(
     for i in range(steps):
         metrics = sft_step(model, loader.batch(0, i), opt, sched, collate=collate, clip_grad=optim.clip_grad)
         losses.append(metrics["train/loss"])
+        every = max(1, steps // 10)
+        if log is not None and ((i + 1) % every == 0 or i + 1 == steps):
+            log(f"  warm-up step {i + 1}/{steps}: loss {metrics['train/loss']:.3f}")
     return losses
 
 
@@ -214,7 +224,7 @@ def prepare_task(
 
             built = chain_addition.build(spec, tmp)
         else:
-            built = _build_arithmetic(spec, tmp)
+            built = _build_arithmetic(spec, tmp, log)
         info = {
             "spec": asdict(spec),
             "version": VERSION,
@@ -238,7 +248,7 @@ def prepare_task(
     )
 
 
-def _build_arithmetic(spec: TaskSpec, out: Path) -> dict:
+def _build_arithmetic(spec: TaskSpec, out: Path, log: Callable[[str], None] | None = None) -> dict:
     """Write the arithmetic task's parquet files and warmed-up model into ``out``."""
     from tearless.data import write_parquet
     from tearless.tasks.tokenizer import build_char_tokenizer
@@ -249,7 +259,13 @@ def _build_arithmetic(spec: TaskSpec, out: Path) -> dict:
     tok = build_char_tokenizer()
     model = task_model(spec, tok)
     losses = supervised_warmup(
-        model, tok, train_rows, steps=spec.warmup_steps, seed=spec.seed, forget_carry=spec.forget_carry
+        model,
+        tok,
+        train_rows,
+        steps=spec.warmup_steps,
+        seed=spec.seed,
+        forget_carry=spec.forget_carry,
+        log=log,
     )
     with quiet_transformers():
         model.save_pretrained(out / "model")

@@ -214,7 +214,7 @@ def greedy_accuracy(
     ``rows`` are veRL-schema prompt rows. A response is correct when its scorer's ``acc`` is true
     or, without one, its score is ≥ 1 (as in the RL trainer's validation).
     """
-    from tearless.data import render_prompt
+    from tearless.data.sft import sft_prompt
     from tearless.rewards import compute_score
     from tearless.rollout.hf import HFRollout
 
@@ -226,7 +226,7 @@ def greedy_accuracy(
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         out = rollout.generate(
-            [render_prompt(tokenizer, r["prompt"]) for r in chunk],
+            [sft_prompt(tokenizer, r["prompt"]) for r in chunk],
             max_new_tokens=max_new_tokens,
             do_sample=False,
         )

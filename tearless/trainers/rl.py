@@ -41,6 +41,7 @@ from tearless.trainers.async_loop import AsyncPipeline
 from tearless.trainers.collect import collect
 from tearless.trainers.metrics import Timer, data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
+from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
 from tearless.workers.actor import on_policy, reward_kl
@@ -96,13 +97,24 @@ class RLTrainer:
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,
             filter_overlong_prompts=data.filter_overlong_prompts,
+            chat_template=data.chat_template,
+            template_kwargs=dict(data.apply_chat_template_kwargs),
         )
-        self.train_set = PromptDataset(load_many(train_files), self.tokenizer, source=str(train_files), **dkw)
+        train_rows = load_many(train_files)
+        if data.train_max_samples > 0:
+            train_rows = train_rows[: data.train_max_samples]
+        self.train_set = PromptDataset(train_rows, self.tokenizer, source=str(train_files), **dkw)
         val_rows = load_many(val_files)
         if data.val_max_samples > 0:
             val_rows = val_rows[: data.val_max_samples]
         self.val_set = PromptDataset(val_rows, self.tokenizer, source=str(val_files), **dkw)
         for name, dataset in (("training", self.train_set), ("validation", self.val_set)):
+            if dataset.num_unknown:
+                self.log(
+                    f"warning: {dataset.num_unknown} of {len(dataset)} {name} prompts hold the tokenizer's "
+                    "unknown token: the model cannot read part of them (check the tokenizer, or the "
+                    "chat template's text)"
+                )
             if dataset.num_filtered:
                 self.log(
                     f"data.filter_overlong_prompts: dropped {dataset.num_filtered} {name} prompts longer "
@@ -126,6 +138,7 @@ class RLTrainer:
         self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
         self.skipped = {"actor": 0.0, "critic": 0.0}  # optimizer steps skipped so far, per role
         self.response_length = arr.rollout.response_length or data.max_response_length
+        self.reward_errors = RewardErrors(cfg.reward_model.tolerate_failed_steps, self.log)
         self.start_step, resume_dir = self._find_resume()
         roles = ("actor",) + (("ref",) if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else ())
         roles += ("critic",) if critic_enabled(cfg) else ()
@@ -252,8 +265,13 @@ class RLTrainer:
         return self.loader.batch(epoch, i)
 
     def generate(self, prompts: list[dict], *, keys: list[int] | None, n: int, **sampling: Any) -> Rollout:
-        """``n`` scored responses per prompt from the worker group."""
-        return self.workers.generate(prompts, n=n, keys=keys, max_new_tokens=self.response_length, **sampling)
+        """``n`` scored responses per prompt from the worker group; reward errors are reported (and a
+        round whose every sample failed stops the run) by :mod:`tearless.trainers.reward_errors`."""
+        rollout = self.workers.generate(
+            prompts, n=n, keys=keys, max_new_tokens=self.response_length, **sampling
+        )
+        self.reward_errors.report(rollout.errors, len(rollout.items))
+        return rollout
 
     def train_step(self, step: int) -> dict[str, float]:
         """One RL step: rollout and reward → log-probs and values → advantages → updates."""
@@ -422,12 +440,13 @@ class RLTrainer:
         )
 
     def _dump_samples(self, step: int, rollout: Rollout, uids: list[str], advantages: torch.Tensor) -> None:
-        """Append up to ``trainer.num_rollout_samples`` of this step's samples to the rollout records,
-        unless the file has reached ``trainer.rollout_log_max_mb``."""
+        """Append this step's samples (every prompt group's, or the first ``trainer.num_rollout_samples``)
+        to the rollout records, unless the file has reached ``trainer.rollout_log_max_mb``."""
         t = self.cfg.trainer
         items, mask = rollout.items, rollout.out.response_mask
         records = []
-        for i in range(min(t.num_rollout_samples, len(items))):
+        count = len(items) if t.num_rollout_samples < 0 else min(t.num_rollout_samples, len(items))
+        for i in range(count):
             valid = mask[i].bool()
             record = {
                 "step": step,
@@ -458,12 +477,22 @@ class RLTrainer:
         state = getattr(self, "_resume_state", None)
         record = state.get("step_metrics") if state else None
         path = self.run_dir / "metrics.jsonl"
-        if not record or "jsonl" not in self.cfg.trainer.logger:
+        if not record:
             return
         steps = [r.get("step") for r in read_metrics(path)]
         if self.start_step not in steps:
             with open(path, "a") as f:
                 f.write(json.dumps({"step": self.start_step, **record}) + "\n")
+
+    def _warn_truncation(self, metrics: dict[str, float]) -> None:
+        """Warn once when most of a step's responses hit the response cap (answers cut before they end)."""
+        share = metrics.get("response_length/clip_ratio", 0.0)
+        if share > 0.5 and not getattr(self, "_warned_truncation", False):
+            self._warned_truncation = True
+            self.log(
+                f"warning: {share:.0%} of this step's responses reached the cap of {self.response_length} "
+                "tokens and were cut before they ended; raise data.max_response_length"
+            )
 
     def _count_bad_step(self, metrics: dict[str, float]) -> None:
         """Track optimizer steps skipped this step (from the roles' counters) and the run of bad steps."""
@@ -472,6 +501,7 @@ class RLTrainer:
             self.skipped[role] = metrics.get(f"{role}/skipped_steps", self.skipped[role])
         self.bad_steps = self.bad_steps + 1 if sum(self.skipped.values()) > before else 0
         metrics["training/bad_steps_in_a_row"] = float(self.bad_steps)
+        metrics["training/total_steps"] = float(self.total_steps)  # the report tells finished from stopped
 
     def _bad_steps_message(self, step: int, checkpoint: str) -> str:
         first = step - self.bad_steps + 1
@@ -552,6 +582,7 @@ class RLTrainer:
                         summary["checkpoint"] = str(self.save(step, metrics))
                     metrics.update(timer.metrics())
                 faults.point("metrics", step)
+                self._warn_truncation(metrics)
                 tracker.log(metrics, step)
                 if stop:
                     raise TrainingStopped(self._bad_steps_message(step, summary["checkpoint"]))

@@ -97,7 +97,8 @@ class Tracker:
         self.loggers = loggers
         self.log_freq = log_freq
         self.stream = stream or sys.stderr
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a") if "jsonl" in loggers else None
+        # Always written, whatever the logger list: it is the run's record (tearless report, resume).
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.bar = None
         if "console" in loggers:
             # tqdm.auto: a widget in Jupyter (with ipywidgets), plain text in a terminal.
@@ -133,9 +134,8 @@ class Tracker:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
-        if self.jsonl is not None:
-            self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
-            self.jsonl.flush()
+        self.jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+        self.jsonl.flush()
         if self.tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
@@ -171,8 +171,7 @@ class Tracker:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        if self.jsonl is not None:
-            self.jsonl.close()
+        self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:

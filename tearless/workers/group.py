@@ -50,6 +50,7 @@ class Rollout:
     extras: list[dict]
     metrics: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    errors: dict[str, list] = field(default_factory=dict)  # reward errors: message → [count, traceback]
 
 
 def contiguous_split(count: int, parts: int) -> list[range]:
@@ -129,6 +130,10 @@ class WorkerGroup:
         if info is not None:
             items = [{**it, "tool_calls": row["tool_calls"]} for it, row in zip(items, info, strict=True)]
         extras = [e for p in parts for e in p["extras"]]
+        errors: dict[str, list] = {}
+        for p in parts:
+            for message, (count, tb) in p["errors"].items():
+                errors.setdefault(message, [0, tb])[0] += count
         metrics = reward_metrics(
             extras, sum(p["failures"] for p in parts), sum(p["lost_workers"] for p in parts)
         )
@@ -143,6 +148,7 @@ class WorkerGroup:
             extras=extras,
             metrics=metrics,
             seconds={k: max(p["seconds"].get(k, 0.0) for p in parts) for k in ("gen", "reward", "gen_idle")},
+            errors=errors,
         )
 
     # ------------------------------------------------------------------ forward-only passes

@@ -19,7 +19,8 @@ from tearless.rollout.hf import RolloutOutput
 def score_responses(tokenizer: Any, manager: Any, items: list[dict], out: RolloutOutput) -> dict[str, Any]:
     """Scores of ``out``'s responses (one item per response): ``scores`` and ``correct`` (B,),
     ``texts`` and ``extras`` (each scorer's extra keys) per response, and the counts of failed samples
-    and of reward processes lost while scoring.
+    and of reward processes lost while scoring; ``errors`` groups the failures by message
+    (:func:`distinct_errors`).
 
     The scorer reads the whole trajectory (tool output included). A sample is correct when its
     scorer's ``acc`` is true or, without one, its score is ≥ 1.
@@ -50,8 +51,19 @@ def score_responses(tokenizer: Any, manager: Any, items: list[dict], out: Rollou
         # Each response's components, and its step scores if the scorer gave any (tearless.rewards.steps).
         "extras": [{**{k: float(v) for k, v in r.extra.items()}, **step_fields(r.steps)} for r in results],
         "failures": sum(r.error is not None for r in results),
+        "errors": distinct_errors(results),
         "lost_workers": manager.lost_workers - lost_before,
     }
+
+
+def distinct_errors(results: list[Any]) -> dict[str, list]:
+    """The failed samples' errors by message: ``{error: [count, traceback or the message]}``."""
+    errors: dict[str, list] = {}
+    for r in results:
+        if r.error is not None:
+            entry = errors.setdefault(r.error, [0, r.traceback or r.error])
+            entry[0] += 1
+    return errors
 
 
 def reward_metrics(extras: list[dict[str, float]], failures: int, lost_workers: int) -> dict[str, float]:

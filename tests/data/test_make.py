@@ -43,3 +43,25 @@ def test_cli_make_writes_files_the_scorers_read(tmp_path, capsys):
     response = "<think>...</think><answer>" + truth.replace("\n", " ") + "</answer>"
     assert compute_score(rows[0]["data_source"], response, truth)["score"] == 3.0
     assert main(["data", "make", "countdown", "--output", str(tmp_path / "cd"), "--num-people", "3"]) == 2
+
+
+@pytest.mark.parametrize("task", ["countdown", "knights_knaves"])
+def test_the_printed_command_fits_the_data_it_wrote(task, tmp_path):
+    """``data make`` prints a train command whose preset's lengths hold every prompt it wrote
+    (measured with the embedded character-level tokenizer, the longest rendering)."""
+    from tearless.config import load_config
+    from tearless.data import PromptDataset
+    from tearless.data.make import make_task, train_command
+    from tearless.tasks.tokenizer import build_char_tokenizer
+
+    paths = make_task(task, tmp_path, num_train=30, num_test=10, seed=0)
+    command = train_command(task, paths)
+    assert command.startswith(f"tearless train --preset {task} data.train_files={paths['train']} ")
+    cfg = load_config(None, command.split()[4:6], preset=task)  # the printed data.* overrides
+    tokenizer = build_char_tokenizer()
+    for path in paths.values():
+        # The default data.truncation=error raises on any prompt longer than max_prompt_length.
+        PromptDataset(load_rows(path), tokenizer, max_prompt_length=cfg.data.max_prompt_length)
+    # The defaults (64 tokens) do not hold them: that is why the preset exists.
+    with pytest.raises(DataError, match="longer than"):
+        PromptDataset(load_rows(paths["train"]), tokenizer, max_prompt_length=64)

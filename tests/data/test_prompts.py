@@ -18,14 +18,32 @@ def test_chat_template_is_applied(tokenizer):
     assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
 
 
-def test_plain_text_fallback_without_chat_template():
+def test_plain_text_prompts_are_fed_as_they_are():
+    tokenizer = build_char_tokenizer()
+    # The char tokenizer adds no special tokens: 4 characters, 4 ids, no "user: … assistant:" around.
+    ids = render_prompt(tokenizer, "1+2=")
+    assert tokenizer.decode(ids) == "1+2=" and len(ids) == 4
+    ds = PromptDataset([make_row(prompt="1+2=")], tokenizer)
+    assert ds[0]["input_ids"] == ids
+    assert ds[0]["raw_prompt"] == [{"role": "user", "content": "1+2="}]  # rewards still see messages
+
+
+def test_chat_prompts_without_a_chat_template_are_refused_unless_one_is_given():
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = None
-    ids = render_prompt(
-        tokenizer, [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}]
-    )
-    assert tokenizer.decode(ids) == "system: Add.\nuser: 1+2=\nassistant: "
-    assert len(ids) == len("system: Add.\nuser: 1+2=\nassistant: ")
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "1+2="}]
+    with pytest.raises(DataError, match=r"no chat template.*data\.chat_template"):
+        render_prompt(tokenizer, messages)
+    template = "{% for m in messages %}{{ m.content }};{% endfor %}"
+    ids = render_prompt(tokenizer, messages, chat_template=template)
+    assert tokenizer.decode(ids) == "Add.;1+2=;"
+
+
+def test_prompts_with_unknown_tokens_are_counted():
+    tokenizer = build_char_tokenizer()
+    # "é" is not in the char tokenizer's vocabulary, so the second prompt holds its unknown token.
+    ds = PromptDataset([make_row("1+2=", "3"), make_row("é+2=", "3")], tokenizer)
+    assert ds.num_unknown == 1
 
 
 def test_items(tokenizer):

@@ -13,6 +13,7 @@ from tearless.data.sft import (
     pack_batch,
     pad_batch,
     read_many,
+    render_plain,
     tokenize_conversation,
 )
 
@@ -52,7 +53,7 @@ def test_a_base_tokenizer_trains_the_final_answer_and_eos(tokenizer):
     base.chat_template = None
     ids, mask = tokenize_conversation(base, CHAT)
     assert base.decode(ids) == "user: 1+2=\nassistant: 3<|end|>"
-    assert ids[: mask.index(1)] == render_prompt(base, CHAT[:1])
+    assert ids[: mask.index(1)] == render_plain(base, CHAT[:1])
     assert sum(mask) == 2 and mask[-2:] == [1, 1]
 
 

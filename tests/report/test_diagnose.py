@@ -84,3 +84,9 @@ def test_non_finite_metrics_and_skipped_updates_are_errors():
 def test_step_ranges_are_compact():
     assert step_ranges([7, 1, 2, 3, 10, 11]) == "1-3, 7, 10-11"
     assert step_ranges([]) == ""
+
+
+def test_most_responses_truncated_fires_even_in_a_short_run():
+    # 3 steps (fewer than the trend rules need) with 99% of responses cut: the cap is far too short.
+    found = diagnose(planted(lambda s: {"response_length/clip_ratio": 0.99}, steps=3))
+    assert [(d.name, d.steps) for d in found] == [("responses pinned at the length cap", [1, 2, 3])]

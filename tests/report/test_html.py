@@ -121,3 +121,26 @@ def test_the_report_renders_in_headless_chromium(report, tmp_path):
         timeout=60,
     )
     assert shot.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_finished_without_total_steps_in_config_no_pass1_copy_no_returns_without_critic(tmp_path):
+    import json
+
+    from tearless.report.plots import same_as_mean
+
+    # A critic-less run of 3 steps whose config leaves total_training_steps null (epochs decide):
+    # the trainer logs training/total_steps, which tells the report the run finished.
+    val = {"val-core/a/acc/mean@4": 0.5, "val-core/a/acc/pass@1": 0.5, "val-core/a/acc/pass@2": 0.7}
+    history = [{"step": 0, **val}] + [
+        {"step": s, "critic/score/mean": s / 10, "critic/returns/mean": 0.1, "training/total_steps": 3.0}
+        for s in range(1, 4)
+    ]
+    run = write_run(tmp_path / "run", history)
+    (run / "config.json").write_text(json.dumps({"trainer": {"total_training_steps": None}}))
+    text = write_report(run).read_text()
+    assert "(last step 3 of 3: finished)" in text
+    titles = [p.stem for p in sorted((run / "report").glob("*.png"))]
+    assert not any("returns" in t for t in titles)  # no critic: no values/returns panel
+    assert "val-core/a/acc/pass@1" not in text and "val-core/a/acc/pass@2" in text
+    # pass@1 (unbiased) equals mean@n: only a second copy of its line.
+    assert same_as_mean("val-core/a/acc/pass@1", val) and not same_as_mean("val-core/a/acc/pass@2", val)

@@ -57,3 +57,28 @@ def test_every_setting_changes_the_cache_key(field):
     changed = TaskSpec(**{**TINY.__dict__, field: value + 1 if not isinstance(value, float) else 0.5})
     assert changed.key() != TINY.key()
     assert TINY.key() == TaskSpec(**TINY.__dict__).key()
+
+
+def test_the_cache_follows_xdg_cache_home_unless_tearless_cache_is_set(monkeypatch, tmp_path):
+    from tearless.tasks.bootstrap import default_cache_dir
+
+    monkeypatch.delenv("TEARLESS_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "xdg" / "tearless"
+    monkeypatch.setenv("TEARLESS_CACHE", str(tmp_path / "own"))
+    assert default_cache_dir() == tmp_path / "own"
+    # The XDG spec says a relative XDG_CACHE_HOME is invalid and must be ignored.
+    monkeypatch.delenv("TEARLESS_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "tearless"
+
+
+def test_the_warm_up_prints_its_progress(tmp_path):
+    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+
+    lines: list[str] = []
+    prepare_task(TaskSpec(num_train=20, num_val=5, warmup_steps=20), tmp_path, log=lines.append)
+    progress = [line for line in lines if "warm-up step" in line]
+    # 20 steps: a line every 2 steps, the last at 20/20.
+    assert len(progress) == 10 and progress[-1].startswith("  warm-up step 20/20: loss ")

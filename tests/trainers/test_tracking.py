@@ -9,7 +9,7 @@ import types
 import pytest
 
 from tearless.trainers.records import append_step, encode_step, read_records, truncate_records
-from tearless.trainers.tracking import Tracker, mlflow_name
+from tearless.trainers.tracking import Tracker, mlflow_name, read_metrics
 
 
 def step_records(step: int, n: int = 3) -> list[dict]:
@@ -99,3 +99,14 @@ def test_mlflow_gets_the_same_metrics_as_the_jsonl(tmp_path, monkeypatch):
     assert calls[0][1][0].endswith("/mlruns") and calls[2][2] == {"run_name": "e"}
     assert calls[4][1][0] == {"val-core/x/acc/pass_2": 0.5, "timing_s/gen": 1.0}
     assert calls[4][2] == {"step": 1}
+
+
+def test_metrics_jsonl_is_written_whatever_the_logger_list(tmp_path):
+    import io
+
+    t = Tracker(
+        tmp_path, ["console"], total_steps=1, config={}, project="p", experiment="e", stream=io.StringIO()
+    )
+    t.log({"critic/score/mean": 0.5}, 1)
+    t.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]
