@@ -192,7 +192,6 @@ RULES: list[Rule] = [
         for k, why in [
             ("use_shm", "models are read from local directories, not copied to shared memory"),
             ("use_liger", "Liger kernels are a speed option; tearless uses torch's own kernels"),
-            ("use_fused_kernels", "fused log-prob kernels are a speed option; the maths is the same"),
             ("fused_kernel_options.*", "fused log-prob kernels are a speed option; the maths is the same"),
             ("tiled_mlp.*", "tiled MLP is a memory option of veRL's Megatron/FSDP workers"),
         ]
@@ -600,9 +599,6 @@ RULES: list[Rule] = [
             instead="algorithm.rollout_correction.rollout_is",
         )
         for k, why, acc in [
-            ("rollout_rs", "rejection sampling by the rollout/trainer mismatch is not implemented", (None,)),
-            ("rollout_rs_threshold", "rejection sampling is not implemented", ANY),
-            ("bypass_mode", "the old log-probs are always recomputed by the trainer", (False,)),
             ("loss_type", "the importance weight multiplies the PPO-clip loss", ("ppo_clip",)),
             ("rollout_is_batch_normalize", "importance weights are not renormalised per batch", (False,)),
         ]
