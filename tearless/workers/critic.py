@@ -59,20 +59,14 @@ class Critic:
         self.model.eval()
         outs = []
         for mb in micro_batches(td, size=self.s.forward_micro_batch_size_per_gpu):
-            values = response_values(
-                self.model,
-                mb["prompt_ids"],
-                mb["prompt_mask"],
-                mb["response_ids"],
-                attention_mask(mb),
-                remove_padding=self.remove_padding,
-            )
+            values = self._values(mb)
             outs.append(values.cpu() * mb["response_mask"])
         self.model.train(was_training)
         return torch.cat(outs)
 
-    def micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
-        vpreds = response_values(
+    def _values(self, mb: TensorDict) -> torch.Tensor:
+        """V(s_t) at each response position of the micro-batch, shape (B, R)."""
+        return response_values(
             self.model,
             mb["prompt_ids"],
             mb["prompt_mask"],
@@ -80,6 +74,9 @@ class Critic:
             attention_mask(mb),
             remove_padding=self.remove_padding,
         )
+
+    def micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
+        vpreds = self._values(mb)
         device = vpreds.device
         mask = mb["response_mask"].to(device)
         loss, metrics = value_loss(

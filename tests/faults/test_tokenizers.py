@@ -2,7 +2,8 @@
 
 tearless never infers masks from the pad id (masks travel with the batch), so a tokenizer without a
 pad token (given EOS as pad) must train exactly like the same tokenizer with its own pad token; a
-tokenizer without a chat template gets the plain-text rendering and trains."""
+tokenizer without a chat template trains on plain-text prompts fed as they are (as TRL does) and
+refuses chat-format prompts with a message (no invented "user: … assistant:" wrapping)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import shutil
 import pytest
 
 from tearless import train
+from tearless.data.prompts import DataError
+from tearless.data.rows import load_rows, write_parquet
 from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics
 
@@ -57,13 +60,30 @@ def test_no_pad_token_means_eos_as_pad_and_the_same_training(overrides, task, tm
     assert metrics["response_length/clip_ratio"] < 1  # responses stop at the EOS that is also pad
 
 
-def test_no_chat_template_renders_plain_text_and_trains(overrides, task, tmp_path):
+def test_no_chat_template_feeds_plain_text_as_is_and_refuses_chat_prompts(overrides, task, tmp_path):
     def drop_template(model, config):
         (model / "chat_template.jinja").unlink()
         config.pop("chat_template", None)
 
     plain = _variant(task, tmp_path, "plain", drop_template)
-    metrics, samples = _run(overrides, tmp_path / "run", plain)
-    # This tokenizer adds no BOS token when encoding plain text.
-    assert samples[0]["prompt"].startswith("user: ") and samples[0]["prompt"].endswith("=\nassistant: ")
+    with pytest.raises(DataError, match="chat template"):
+        _run(overrides, tmp_path / "chat", plain)
+    files, texts = {}, set()
+    for name, path in (("train", task.train_file), ("val", task.val_file)):
+        rows = load_rows(path)
+        for row in rows:
+            row["prompt"] = row["prompt"][-1]["content"]  # "66+76=": the text the model was warmed up on
+            texts.add(row["prompt"])
+        files[name] = tmp_path / f"plain-{name}.parquet"
+        write_parquet(rows, files[name])
+    run = overrides(tmp_path / "run", f"actor_rollout_ref.model.path={plain}", *ONE_STEP)
+    train(
+        None,
+        [*run, f"data.train_files={files['train']}", f"data.val_files={files['val']}"],
+        log=lambda _: None,
+    )
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    samples = read_records(tmp_path / "run" / "rollouts.jsonl.gz")
+    # Fed as it is: this tokenizer adds no BOS token, so the decoded prompt is the row's text.
+    assert samples and all(s["prompt"] in texts for s in samples)
     assert metrics["response_length/mean"] > 0 and metrics["step"] == 1
