@@ -224,7 +224,7 @@ def prepare_task(
 
             built = chain_addition.build(spec, tmp)
         else:
-            built = _build_arithmetic(spec, tmp, log)
+            built = build_warmed_task(spec, tmp, task_rows(spec), log=log)
         info = {
             "spec": asdict(spec),
             "version": VERSION,
@@ -248,12 +248,19 @@ def prepare_task(
     )
 
 
-def _build_arithmetic(spec: TaskSpec, out: Path, log: Callable[[str], None] | None = None) -> dict:
-    """Write the arithmetic task's parquet files and warmed-up model into ``out``."""
+def build_warmed_task(
+    spec: Any,
+    out: Path,
+    rows: tuple[list[dict], list[dict]],
+    teacher: Callable[[dict, random.Random, float], str] = arithmetic_teacher,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Write a task's (train, val) ``rows`` as parquet and its model, warmed up on ``teacher``'s
+    demonstrations, into ``out``; return the warm-up summary (the last 20 steps' mean loss)."""
     from tearless.data import write_parquet
     from tearless.tasks.tokenizer import build_char_tokenizer
 
-    train_rows, val_rows = task_rows(spec)
+    train_rows, val_rows = rows
     write_parquet(train_rows, out / "train.parquet")
     write_parquet(val_rows, out / "test.parquet")
     tok = build_char_tokenizer()
@@ -265,6 +272,7 @@ def _build_arithmetic(spec: TaskSpec, out: Path, log: Callable[[str], None] | No
         steps=spec.warmup_steps,
         seed=spec.seed,
         forget_carry=spec.forget_carry,
+        teacher=teacher,
         log=log,
     )
     with quiet_transformers():

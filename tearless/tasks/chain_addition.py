@@ -142,26 +142,6 @@ def teacher(row: dict, rng: random.Random, forget_carry: float) -> str:
 
 def build(spec: Any, out: Path) -> dict:
     """Write the task's parquet files and warmed-up model into ``out``; return the warm-up summary."""
-    from tearless.data import write_parquet
-    from tearless.models.loading import quiet_transformers
-    from tearless.tasks.bootstrap import supervised_warmup, task_model
-    from tearless.tasks.tokenizer import build_char_tokenizer
+    from tearless.tasks.bootstrap import build_warmed_task
 
-    train_rows, val_rows = task_rows(spec)
-    write_parquet(train_rows, out / "train.parquet")
-    write_parquet(val_rows, out / "test.parquet")
-    tok = build_char_tokenizer()
-    model = task_model(spec, tok)
-    losses = supervised_warmup(
-        model,
-        tok,
-        train_rows,
-        steps=spec.warmup_steps,
-        seed=spec.seed,
-        forget_carry=spec.forget_carry,
-        teacher=teacher,
-    )
-    with quiet_transformers():
-        model.save_pretrained(out / "model")
-        tok.save_pretrained(out / "model")
-    return {"warmup_final_loss": sum(losses[-20:]) / len(losses[-20:])}
+    return build_warmed_task(spec, out, task_rows(spec), teacher)
