@@ -592,8 +592,11 @@ class AsyncTrainingConfig:
     )
     partial_rollout: bool = doc(
         False,
-        "continue responses interrupted by a weight update under the new weights (veRL key); not "
-        "implemented yet: true is refused",
+        "partial rollouts (veRL key): split rollout workers take new weights between two tokens of the "
+        "responses they are generating and continue them under the new weights (re-prefilled), each "
+        "token keeping the behaviour log-prob and the policy version it was drawn with; the update "
+        "does not wait for the generation in flight. Built-in engine (rollout.name=hf), single-turn; "
+        "no effect outside the split placement, where nothing generates during an update",
     )
 
 

@@ -78,12 +78,22 @@ def _validate_async(cfg: Config) -> None:
             _fail(f"{key}.partial_rollout", "needs async_training.enable=true", "Enable it, or remove it.")
         return
     if at.partial_rollout:
-        _fail(
-            f"{key}.partial_rollout",
-            "partial rollouts (continuing an interrupted response under new weights) are not implemented "
-            "yet: each generation call completes its responses with one policy version",
-            "Set it to false.",
-        )
+        rollout = cfg.actor_rollout_ref.rollout
+        if rollout.name != "hf":
+            _fail(
+                f"{key}.partial_rollout",
+                f"continues responses inside the built-in decode loop; rollout.name={rollout.name!r} "
+                "generates each request in one engine call",
+                "Set actor_rollout_ref.rollout.name=hf, or async_training.partial_rollout=false.",
+            )
+        if rollout.multi_turn.enable:
+            _fail(
+                f"{key}.partial_rollout",
+                "is not supported with multi-turn tool use (the agent loop's turns are separate engine "
+                "calls, which would each need the interruption)",
+                "Set async_training.partial_rollout=false, or "
+                "actor_rollout_ref.rollout.multi_turn.enable=false.",
+            )
     if cfg.algorithm.filter_groups.enable:
         _fail(
             "algorithm.filter_groups.enable",

@@ -211,6 +211,8 @@ class RayWorkers(WorkerGroup):
         ensure_ray(cfg, world * len(layout) + split)
         self.pools: dict[str, Pool] = {}
         self.pool_of: dict[str, str] = {}
+        self.broadcasts = 0  # weight broadcasts sent to the rollout pool
+        self.receives: list[tuple[Any, Pool, int]] = []  # their receive calls not collected yet
         try:
             for name, pool_roles in layout.items():
                 hybrid = "actor" in pool_roles and not split
@@ -273,7 +275,9 @@ class RayWorkers(WorkerGroup):
         return self.pools[self.pool_of[pool]].submit(method, per_rank)
 
     def _wait(self, pending: Any, what: str) -> list[Any]:
-        return wait_all(pending, what, self.cfg.trainer.worker_timeout_s)
+        results = wait_all(pending, what, self.cfg.trainer.worker_timeout_s)
+        self._collect_receives()
+        return results
 
     def trained_pools(self) -> list[str]:
         pools = [self.pool_of["actor"]]
@@ -281,18 +285,39 @@ class RayWorkers(WorkerGroup):
             pools.append(self.pool_of["critic"])
         return [next(r for r in ("actor", "critic") if self.pool_of.get(r) == p) for p in pools]
 
-    def sync_weights(self) -> float:
+    def sync_weights(self, version: int | None = None) -> float:
         """Split placement: the training ranks gather and send the policy while every rollout rank
         receives it, at once (after the generation calls submitted to it before). Returns the
-        slowest rollout rank's seconds receiving."""
+        slowest rollout rank's seconds receiving.
+
+        With partial rollouts (``async_training.partial_rollout``) the rollout ranks take it between
+        two tokens of the call they are running (or in their queued receive call when idle); only
+        the sending is waited for here, and 0 is returned. The queued receive calls are collected
+        later (:meth:`_wait`), so that a failure among them still surfaces."""
         if "rollout" not in self.pools:
             return 0.0
         actor = self.pools[self.pool_of["actor"]]
         rollout = self.pools["rollout"]
-        pending = actor.submit("send_weights", [()] * actor.world)
-        pending += rollout.submit("receive_weights", [()] * rollout.world)
-        results = wait_all(pending, "weight broadcast", actor.timeout_s)
+        self.broadcasts += 1
+        pending = actor.submit("send_weights", [(version,)] * actor.world)
+        receives = rollout.submit("receive_weights", [(self.broadcasts,)] * rollout.world)
+        if self.cfg.async_training.partial_rollout:
+            self.receives += receives
+            wait_all(pending, "weight broadcast", actor.timeout_s)
+            return 0.0
+        results = wait_all(pending + receives, "weight broadcast", actor.timeout_s)
         return max(float(r) for r in results[actor.world :])
+
+    def _collect_receives(self) -> None:
+        """Results of the queued receive calls that have finished (raising a worker's failure)."""
+        import ray
+
+        if not self.receives:
+            return
+        ready, _ = ray.wait([p[0] for p in self.receives], num_returns=len(self.receives), timeout=0)
+        done = set(ready)
+        wait_all([p for p in self.receives if p[0] in done], "weight broadcast (rollout side)", 1.0)
+        self.receives = [p for p in self.receives if p[0] not in done]
 
     def close(self) -> None:
         for pool in self.pools.values():

@@ -5,6 +5,11 @@ training rank 0 hosts on its node's routable address: gloo on CPU, NCCL on GPU, 
 go GPU to GPU. The training ranks gather the policy one tensor at a time (FSDP all-gathers among
 themselves) and rank 0 broadcasts each, so no rank ever holds more than one full tensor extra, and
 nothing goes through Ray's object store.
+
+Every broadcast is announced first, on the same store: broadcast k (counting from 1) sets
+``version/<k>`` to the policy version it carries, then the ``announced`` counter to k. A rollout rank
+generating with partial rollouts polls that counter between two tokens and, when it is ahead of the
+broadcasts it has received, joins them there (:meth:`Rank.take_new_weights`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,25 @@ class WeightBroadcast:
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
         self.store = store  # the group reads the store as long as it lives
+        self.sent = 0  # broadcasts announced by this member (the sender)
+
+    def announce(self, version: int | None) -> int:
+        """Sender: publish that the next broadcast carries policy ``version`` (None: unknown, the
+        first load); returns its number k."""
+        k = self.sent + 1
+        self.store.set(f"version/{k}", str(-1 if version is None else version))
+        self.store.add("announced", 1)
+        self.sent = k
+        return k
+
+    def announced(self) -> int:
+        """The number of broadcasts announced so far (a non-blocking read of the counter)."""
+        return int(self.store.add("announced", 0))
+
+    def version_of(self, k: int) -> int | None:
+        """The policy version broadcast ``k`` carries (None when unknown)."""
+        version = int(self.store.get(f"version/{k}"))
+        return None if version < 0 else version
 
     def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``tensor`` into every member's ``tensor`` (in place); returns it."""

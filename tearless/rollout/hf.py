@@ -9,7 +9,7 @@ log-probabilities of the sampled tokens under the temperature-scaled distributio
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +35,11 @@ class RolloutOutput:
     ``entropy`` (B, R), when the engine provides it, is the entropy of the temperature-scaled,
     unfiltered distribution each response token was drawn from (0 outside the mask): on-policy, the
     actor's entropy of the same tokens.
+
+    ``token_versions`` (B, R), when the engine provides it, is the policy version each response token
+    was sampled with (0 outside the mask). Tokens of one response differ only in a partial rollout
+    (``HFRollout.generate``'s ``between_tokens``): a response interrupted by a weight update
+    continues under the new weights, and ``log_probs`` holds each token's behaviour log-prob.
     """
 
     prompt_ids: torch.Tensor
@@ -45,6 +50,7 @@ class RolloutOutput:
     truncated: torch.Tensor
     response_attention_mask: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.response_attention_mask is None:
@@ -114,6 +120,8 @@ class HFRollout:
         do_sample: bool = True,
         keys: Sequence[int] | None = None,
         stop_sequences: list[list[int]] | None = None,
+        version: int = 0,
+        between_tokens: Callable[[], int | None] | None = None,
     ) -> RolloutOutput:
         """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
 
@@ -127,6 +135,13 @@ class HFRollout:
         ``keys`` (one per prompt, :mod:`tearless.rollout.seeds`) fix each sample's random numbers:
         sample j of prompt i draws the tokens its key ``mix(keys[i], j)`` gives, in any batch. Without
         them, keys are drawn from torch's global generator.
+
+        Partial rollouts: ``between_tokens``, when given, is called before every forward of the decode
+        loop (after the tokens of a position are drawn, before the logits of the next one). It returns
+        None, or the policy version of new weights it has just loaded into the model; then every live
+        response is re-prefilled (prompt + the tokens drawn so far) under the new weights and continues
+        from there, keeping the log-probs of the tokens already drawn. ``version`` is the version of
+        the weights at the start; ``token_versions`` records each token's.
         """
         if do_sample and keys is None:
             keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
@@ -138,7 +153,7 @@ class HFRollout:
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
         try:
             with torch.inference_mode():
-                tokens, logps, ents, mask, finished = self._decode(
+                tokens, logps, ents, mask, finished, versions = self._decode(
                     prompts,
                     n,
                     max_new_tokens,
@@ -148,6 +163,8 @@ class HFRollout:
                     do_sample,
                     keys,
                     stop_sequences,
+                    version,
+                    between_tokens,
                 )
         finally:
             self.model.train(was_training)
@@ -160,13 +177,39 @@ class HFRollout:
             log_probs=logps.cpu().clone(),
             truncated=~finished.cpu().clone(),
             entropy=ents.cpu().clone(),
+            token_versions=versions.cpu().clone(),
         )
 
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int):
+        """Forward left-padded ``ids`` (rows, L) into a fresh decode cache of ``capacity`` positions;
+        returns (last-position logits in float32, cache, attention mask, next position ids)."""
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        cache = decode_cache(self.model.config, capacity)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=attn,
+            position_ids=positions,
+            logits_to_keep=1,
+            **cache_kwargs(self.model, cache),
+        )
+        return out.logits[:, -1, :].float(), cache, attn, positions[:, -1:] + 1
+
     def _decode(
-        self, prompts, n, max_new_tokens, temperature, top_p, top_k, do_sample, keys, stop_sequences
+        self,
+        prompts,
+        n,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        do_sample,
+        keys,
+        stop_sequences,
+        version=0,
+        between_tokens=None,
     ):
-        """The decode loop: (B, T) tokens, log-probs, entropies and mask and the (B,) EOS flags,
-        T ≤ max_new_tokens.
+        """The decode loop: (B, T) tokens, log-probs, entropies, mask and token versions and the (B,)
+        EOS flags, T ≤ max_new_tokens.
 
         The model forwards one row per distinct token history, not one per sample: a prompt's n
         samples share their history until they draw different tokens. ``owner`` maps each live output
@@ -177,31 +220,26 @@ class HFRollout:
         gets its own row and no split copies the cache again. Rows that finished are dropped with the
         next split, or once a quarter of the model rows are idle. Greedy samples of one prompt
         therefore cost one row, and samples of a confident policy little more.
+
+        When ``between_tokens`` loads new weights, the live output rows are re-prefilled, one model
+        row each (the cache built by the old weights is dropped), and the loop goes on at the same
+        position: the same sampling draws, the new weights' distributions.
         """
         device = next(self.model.parameters()).device
         ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
         draws = uniforms(sample_keys(keys, n), max_new_tokens).to(device) if do_sample else None
         eos = self.eos.to(device)
         stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
-        positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        cache = decode_cache(self.model.config, ids.shape[1] + max_new_tokens)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=attn,
-            position_ids=positions,
-            logits_to_keep=1,
-            **cache_kwargs(self.model, cache),
-        )
-        logits = out.logits[:, -1, :].float()
+        logits, cache, attn, next_pos = self._prefill(ids, attn, ids.shape[1] + max_new_tokens)
         batch = len(prompts) * n
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logps = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
         ents = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
         mask = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
+        versions = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         rows = torch.arange(batch, device=device)  # the live output rows
         owner = rows // n  # the model row of each live output row
-        next_pos = positions[:, -1:] + 1
         width = 0
         for t in range(max_new_tokens):
             scaled = logits / temperature if do_sample or temperature > 0 else logits
@@ -214,12 +252,22 @@ class HFRollout:
             logps[rows, t] = scaled[owner, tok] - torch.logsumexp(scaled, dim=-1)[owner]
             ents[rows, t] = entropy_from_logits(scaled)[owner]
             mask[rows, t] = 1
+            versions[rows, t] = version
             width = t + 1
             done = torch.isin(tok, eos) | _ends_with_stop(tokens, rows, t, stops)
             finished[rows[done]] = True
             rows, owner, tok = rows[~done], owner[~done], tok[~done]
             if len(rows) == 0 or t == max_new_tokens - 1:
                 break
+            new_version = between_tokens() if between_tokens is not None else None
+            if new_version is not None:  # new weights: the live responses so far, prefilled again
+                version = new_version
+                history = [prompts[int(r) // n] + tokens[r, : t + 1].tolist() for r in rows]
+                ids, attn = (x.to(device) for x in left_pad(history, self.pad_token_id))
+                capacity = ids.shape[1] + max_new_tokens - t - 1
+                logits, cache, attn, next_pos = self._prefill(ids, attn, capacity)
+                owner = torch.arange(len(rows), device=device)
+                continue
             # The next model rows: one per distinct (model row, token) among the live output rows.
             vocab = scaled.shape[-1]
             keys, inverse = torch.unique(owner * vocab + tok, return_inverse=True)
@@ -245,7 +293,14 @@ class HFRollout:
             )
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
-        return tokens[:, :width], logps[:, :width], ents[:, :width], mask[:, :width], finished
+        return (
+            tokens[:, :width],
+            logps[:, :width],
+            ents[:, :width],
+            mask[:, :width],
+            finished,
+            versions[:, :width],
+        )
 
 
 # Below this many positions the stock cache's copies are cheaper than attention over buffer views.
@@ -375,4 +430,7 @@ def concat_rollouts(outs: list[RolloutOutput], pad_token_id: int) -> RolloutOutp
         entropy=None
         if any(o.entropy is None for o in outs)
         else torch.cat([right(o.entropy, 0.0) for o in outs]),
+        token_versions=None
+        if any(o.token_versions is None for o in outs)
+        else torch.cat([right(o.token_versions, 0) for o in outs]),
     )

@@ -73,6 +73,25 @@ def fresh_groups(
     return fresh.nonzero().squeeze(-1), staleness
 
 
+def response_versions(
+    token_versions: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each response's policy version, that of its oldest token (its staleness bound), from the
+    (B, R) versions of its tokens; and the partial-rollout metrics: ``async/partial_frac`` (responses
+    whose tokens come from more than one version: continued under new weights) and
+    ``async/resumed_token_frac`` (tokens drawn with a newer version than their response's first)."""
+    mask = response_mask.bool()
+    big = torch.iinfo(token_versions.dtype).max
+    oldest = torch.where(mask, token_versions, big).min(-1).values
+    newest = torch.where(mask, token_versions, -1).max(-1).values
+    resumed = mask & (token_versions > oldest[:, None])
+    metrics = {
+        "async/partial_frac": float((newest > oldest).float().mean()),
+        "async/resumed_token_frac": float(resumed.sum() / mask.sum().clamp(min=1)),
+    }
+    return oldest, metrics
+
+
 def staleness_metrics(staleness: torch.Tensor, kept: torch.Tensor, max_staleness: int) -> dict[str, float]:
     """``async/staleness_mean`` and ``_max`` over the trained samples, ``async/staleness_count/<s>``
     (trained samples of staleness s, for s = 0 … max_staleness), ``async/dropped`` and
@@ -120,6 +139,7 @@ class AsyncPipeline:
             temperature=rollout_cfg.temperature,
             top_p=rollout_cfg.top_p,
             top_k=rollout_cfg.top_k,
+            version=trainer.policy_version,
         )
         return Batch(step=step, version=trainer.policy_version, prompts=prompts, pending=pending)
 
@@ -138,10 +158,13 @@ class AsyncPipeline:
         waited = time.perf_counter() - start
         n = trainer.cfg.actor_rollout_ref.rollout.n
         versions = batch.versions
+        metrics: dict[str, float] = {}
+        if versions is None and rollout.out.token_versions is not None:
+            versions, metrics = response_versions(rollout.out.token_versions, rollout.out.response_mask)
         if versions is None:
             versions = torch.full((len(rollout.items),), batch.version, dtype=torch.long)
         kept, staleness = fresh_groups(versions, trainer.policy_version, self.max_staleness, n)
-        metrics = staleness_metrics(staleness, kept, self.max_staleness)
+        metrics.update(staleness_metrics(staleness, kept, self.max_staleness))
         if kept.numel() == 0:  # every sample too old: this step's prompts again, with today's weights
             retry = self._submit(step, batch.prompts)
             start = time.perf_counter()
@@ -160,5 +183,7 @@ class AsyncPipeline:
 
     def sync_idle(self, timer: Timer, received: float) -> None:
         """Add to ``timing_s/train_idle`` the part of the weight sync spent waiting for the rollout
-        workers to finish the generation calls ahead of it (its wall time minus their copying)."""
-        timer.seconds["train_idle"] += max(0.0, timer.seconds["update_weights"] - received)
+        workers to finish the generation calls ahead of it (its wall time minus their copying).
+        With partial rollouts they take the weights at their next token: nothing is added."""
+        if not self.trainer.cfg.async_training.partial_rollout:
+            timer.seconds["train_idle"] += max(0.0, timer.seconds["update_weights"] - received)

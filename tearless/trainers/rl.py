@@ -268,7 +268,12 @@ class RLTrainer:
         """``n`` scored responses per prompt from the worker group; reward errors are reported (and a
         round whose every sample failed stops the run) by :mod:`tearless.trainers.reward_errors`."""
         rollout = self.workers.generate(
-            prompts, n=n, keys=keys, max_new_tokens=self.response_length, **sampling
+            prompts,
+            n=n,
+            keys=keys,
+            max_new_tokens=self.response_length,
+            version=self.policy_version,
+            **sampling,
         )
         self.reward_errors.report(rollout.errors, len(rollout.items))
         return rollout
@@ -299,7 +304,7 @@ class RLTrainer:
                     metrics.update(self.workers.update_policy(td, generator=step_generator(t.seed, step, 1)))
                 self.policy_version += 1
                 with timer("update_weights"):  # to separate rollout workers (split placement)
-                    received = self.workers.sync_weights()
+                    received = self.workers.sync_weights(self.policy_version)
                 if self.pipeline:
                     self.pipeline.sync_idle(timer, received)
             self.workers.check_weights(step, (td["prompt_ids"][:1], td["prompt_mask"][:1]))

@@ -94,30 +94,50 @@ class WorkerGroup:
     def _wait(self, pending: Any, what: str) -> list[Any]:
         return pending
 
-    def sync_weights(self) -> float:
+    def sync_weights(self, version: int | None = None) -> float:
         """Bring separate rollout workers the policy after an update (split placement; in the hybrid
-        placement the engines already sample from the trained weights, or took them in-process).
-        Returns the slowest rollout rank's seconds receiving them (0 when there is nothing to send)."""
+        placement the engines already sample from the trained weights, or took them in-process);
+        ``version`` is its policy version (None: unknown, the first load). Returns the slowest rollout
+        rank's seconds receiving them (0 when there is nothing to send, or when, with partial
+        rollouts, the rollout ranks take them between two tokens without the trainer waiting)."""
         return 0.0
 
     # ------------------------------------------------------------------ rollout
     def generate(
-        self, prompts: list[dict], *, n: int, keys: list[int] | None, max_new_tokens: int, **sampling: Any
+        self,
+        prompts: list[dict],
+        *,
+        n: int,
+        keys: list[int] | None,
+        max_new_tokens: int,
+        version: int = 0,
+        **sampling: Any,
     ) -> Rollout:
-        """``n`` scored responses per prompt; each generating rank takes a consecutive share."""
-        pending = self.submit_generate(prompts, n=n, keys=keys, max_new_tokens=max_new_tokens, **sampling)
+        """``n`` scored responses per prompt; each generating rank takes a consecutive share.
+        ``version`` is the policy version the ranks hold (recorded per token, ``token_versions``)."""
+        pending = self.submit_generate(
+            prompts, n=n, keys=keys, max_new_tokens=max_new_tokens, version=version, **sampling
+        )
         return self.wait_generate(pending)
 
     def submit_generate(
-        self, prompts: list[dict], *, n: int, keys: list[int] | None, max_new_tokens: int, **sampling: Any
+        self,
+        prompts: list[dict],
+        *,
+        n: int,
+        keys: list[int] | None,
+        max_new_tokens: int,
+        version: int = 0,
+        **sampling: Any,
     ) -> tuple[list[dict], int, Any]:
         """Start :meth:`generate` without waiting for it (the asynchronous loop); the generating ranks
-        run it after the calls submitted before it, with the weights they hold then."""
+        run it after the calls submitted before it, with the weights they hold then (``version``,
+        or the newer one a rollout rank received since)."""
         pieces = contiguous_split(len(prompts), self.world_of("rollout"))
         args = []
         for piece in pieces:
             share_keys = None if keys is None else [keys[i] for i in piece]
-            args.append(([prompts[i] for i in piece], n, share_keys, max_new_tokens, sampling))
+            args.append(([prompts[i] for i in piece], n, share_keys, max_new_tokens, sampling, version))
         return prompts, n, self._submit("rollout", "generate_share", args, "generation")
 
     def wait_generate(self, pending: tuple[list[dict], int, Any]) -> Rollout:
@@ -147,7 +167,10 @@ class WorkerGroup:
             texts=[t for p in parts for t in p["texts"]],
             extras=extras,
             metrics=metrics,
-            seconds={k: max(p["seconds"].get(k, 0.0) for p in parts) for k in ("gen", "reward", "gen_idle")},
+            seconds={
+                k: max(p["seconds"].get(k, 0.0) for p in parts)
+                for k in dict.fromkeys(k for p in parts for k in p["seconds"])
+            },
             errors=errors,
         )
 

@@ -64,6 +64,9 @@ class Rank:
         self.agent: Any = None
         self.weight_sync: Any = None
         self.separate_engine = False
+        self.broadcasts = 0  # weight broadcasts received (split rollout ranks)
+        self.held_version: int | None = None  # the policy version they carried, when known
+        self._swap_seconds = 0.0  # receiving weights between two tokens (partial rollouts)
         self._idle_since: float | None = None  # a rollout-only rank: when its last call ended
         self._idle_seconds = 0.0  # … and its idle seconds not yet reported
 
@@ -176,11 +179,21 @@ class Rank:
         keys: list[int] | None,
         max_new_tokens: int,
         sampling: dict[str, Any],
+        version: int = 0,
     ) -> dict[str, Any] | None:
         """``n`` responses per prompt, scored: the rollout, per-response agent info (multi-turn), the
         scores (:func:`~tearless.workers.scoring.score_responses`) and the seconds of each part. A rank
-        with no prompts still joins the gathering of the weights (a collective) and returns None."""
+        with no prompts still joins the gathering of the weights (a collective) and returns None.
+
+        ``version`` is the policy version the driver expects this rank to hold; a split rollout rank
+        knows its own (the one of the last broadcast it received), which is newer when it took an
+        update between two tokens of an earlier call (partial rollouts). With the built-in engine,
+        every token records the version it was sampled with; with ``async_training.partial_rollout``
+        a split rollout rank takes new weights between two tokens (:meth:`take_new_weights`)."""
+        from tearless.rollout.hf import HFRollout
+
         timer = Timer()
+        extra: dict[str, Any] = {}
         idle, self._idle_seconds = self._idle_seconds + self._idle(), 0.0
         with timer("gen"), self._rollout_weights():
             if not prompts:
@@ -190,13 +203,21 @@ class Rank:
                 out, info = res.out, res.rows
             else:
                 ids = [p["input_ids"] for p in prompts]
-                out = self.engine.generate(ids, n=n, max_new_tokens=max_new_tokens, keys=keys, **sampling)
+                if isinstance(self.engine, HFRollout):
+                    extra["version"] = version if self.held_version is None else self.held_version
+                    if self.weight_sync is not None and self.spec.cfg.async_training.partial_rollout:
+                        extra["between_tokens"] = self.take_new_weights
+                out = self.engine.generate(
+                    ids, n=n, max_new_tokens=max_new_tokens, keys=keys, **sampling, **extra
+                )
                 info = None
         items = [p for p in prompts for _ in range(n)]
         with timer("reward"):
             scored = score_responses(self.tokenizer, self.reward, items, out)
         self._busy_until_now()
         seconds = {**timer.seconds, "gen_idle": idle}
+        if "between_tokens" in extra:
+            seconds["weight_swap"], self._swap_seconds = self._swap_seconds, 0.0
         return {"out": out, "info": info, **scored, "seconds": seconds, "pid": os.getpid()}
 
     def _idle(self) -> float:
@@ -314,24 +335,53 @@ class Rank:
             timeout_s=self.spec.cfg.trainer.worker_timeout_s,
         )
 
-    def send_weights(self) -> None:
-        """Training ranks: gather the policy one tensor at a time; rank 0 broadcasts it to the rollout
-        ranks."""
+    def send_weights(self, version: int | None = None) -> None:
+        """Training ranks: gather the policy (policy ``version``) one tensor at a time; rank 0
+        announces the broadcast and sends it to the rollout ranks."""
+        if self.weight_sync is not None:
+            self.weight_sync.announce(version)
         dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
         for _, tensor in hf_weights(self.roles["actor"].model, dtype):
             if self.weight_sync is not None:
                 self.weight_sync.broadcast(tensor.to(self.device).contiguous())
 
-    def receive_weights(self) -> float:
-        """Rollout ranks: take the policy broadcast by training rank 0 into the engine; returns the
-        seconds from the first tensor's arrival to the engine holding them all."""
-        tensors = self._received()
-        first = next(tensors)  # waits for the training ranks to send: idle, not copying
-        self._idle_seconds += self._idle()
+    def receive_weights(self, upto: int) -> float:
+        """Rollout ranks: take the broadcasts of training rank 0 into the engine until ``upto`` of
+        them have arrived (none left when a partial rollout took them between two tokens); returns
+        the seconds from the first tensor's arrival to the engine holding them all."""
+        seconds = 0.0
+        while self.broadcasts < upto:
+            tensors = self._received()
+            first = next(tensors)  # waits for the training ranks to send: idle, not copying
+            self._idle_seconds += self._idle()
+            start = time.perf_counter()
+            self._load(chain([first], tensors))
+            self._busy_until_now()
+            seconds += time.perf_counter() - start
+        return seconds
+
+    def take_new_weights(self) -> int | None:
+        """Between two tokens of a partial rollout: None when no broadcast was announced since the
+        last one received; otherwise receive every announced one and return the policy version of
+        the weights now in the engine (the decode loop then re-prefills its responses)."""
+        announced = self.weight_sync.announced()
+        if announced <= self.broadcasts:
+            return None
         start = time.perf_counter()
-        self.engine.load_weights(chain([first], tensors))
-        self._busy_until_now()
-        return time.perf_counter() - start
+        while self.broadcasts < announced:
+            self._load(self._received())
+        self._swap_seconds += time.perf_counter() - start
+        if self.held_version is None:
+            raise RuntimeError(
+                "weights without a policy version arrived during generation: only the first load "
+                "(before any generation) may leave the version unknown"
+            )
+        return self.held_version
+
+    def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.engine.load_weights(weights)
+        self.broadcasts += 1
+        self.held_version = self.weight_sync.version_of(self.broadcasts)
 
     def _received(self) -> Iterator[tuple[str, torch.Tensor]]:
         dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))

@@ -35,9 +35,22 @@ RC = "algorithm.rollout_correction"
             "needs async_training.enable",
         ),
         (
-            ["async_training.enable=true", "async_training.partial_rollout=true"],
+            [
+                "async_training.enable=true",
+                "async_training.partial_rollout=true",
+                "actor_rollout_ref.rollout.name=vllm",
+            ],
             "partial_rollout",
-            "not implemented",
+            "rollout.name='vllm'",
+        ),
+        (
+            [
+                "async_training.enable=true",
+                "async_training.partial_rollout=true",
+                "actor_rollout_ref.rollout.multi_turn.enable=true",
+            ],
+            "partial_rollout",
+            "multi-turn",
         ),
         (
             ["async_training.enable=true", "algorithm.filter_groups.enable=true"],
@@ -59,6 +72,7 @@ def test_sensible_offpolicy_settings_load_and_are_described():
         [
             "async_training.enable=true",
             "async_training.max_staleness=2",
+            "async_training.partial_rollout=true",
             f"{RC}.rollout_is=token",
             f"{RC}.rollout_is_threshold_lower=0.5",
             f"{RC}.rollout_rs=geometric",
