@@ -3,12 +3,12 @@
 1 training worker + 1 rollout worker (Ray, one thread each) train the default GRPO run on the
 embedded task (16 prompts × 8 responses a step, where generation and the update cost about the same)
 for ``--steps`` steps, synchronously and with ``async_training.max_staleness=1`` (with token-level
-TIS, which needs the trainer's π_old forward, and without a correction), for each seed. The runs of
-a seed go one after the other, the order of the modes reversed from seed to seed, so that load
-drifting over time hits all of them. Per run:
-steps per second over the steps after the first (1 / median ``timing_s/step``, and the steps after
-the first over their summed step time), the medians of the step's phases, and greedy held-out
-accuracy after the last step (the same number of samples in both modes).
+TIS, which needs the trainer's π_old forward, without a correction, and without a correction with
+partial rollouts), for each seed. The runs of a seed go one after the other, the order of the modes
+reversed from seed to seed, so that load drifting over time hits all of them. Per run: steps per
+second over the steps after the first (1 / median ``timing_s/step``, and the steps after the first
+over their summed step time), the medians of the step's phases, and greedy held-out accuracy after
+the last step (the same number of samples in both modes).
 
     OMP_NUM_THREADS=1 TEARLESS_CACHE=<warm cache> python benchmarks/async.py --steps 20 --seeds 1 2
 """
@@ -43,6 +43,12 @@ MODES = {
     ],
     # Without a correction the trainer skips the π_old forward, as the synchronous run does.
     "async k=1": ["async_training.enable=true", "async_training.max_staleness=1"],
+    # Partial rollouts: the weight sync does not wait for the generation call in flight.
+    "async k=1 partial": [
+        "async_training.enable=true",
+        "async_training.max_staleness=1",
+        "async_training.partial_rollout=true",
+    ],
 }
 TIMINGS = (
     "step",
@@ -53,6 +59,7 @@ TIMINGS = (
     "update_weights",
     "train_idle",
     "gen_idle",
+    "weight_swap",
 )
 
 
@@ -67,6 +74,7 @@ def run(overrides: list[str]) -> dict:
         "steps_per_s_total": round(len(steps) / sum(steps), 3),
         "val_acc_greedy": summary["after"]["val-core/arithmetic/acc/greedy"],
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in later),
+        "partial_frac_mean": statistics.mean(r.get("async/partial_frac", 0.0) for r in later),
     }
     for key in TIMINGS:
         values = [r[f"timing_s/{key}"] for r in later if f"timing_s/{key}" in r]

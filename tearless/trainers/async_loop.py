@@ -17,6 +17,11 @@ batch, or any future producer) are dropped by whole prompt groups and counted
 (``async/dropped_frac``), and a step left with none regenerates its batch with the current weights.
 With k = 0 each call is submitted and awaited inside its own step: exactly the synchronous loop.
 
+Partial rollouts (``async_training.partial_rollout``): a split rollout worker takes each broadcast
+between two tokens of the call it is running and continues its responses under the new weights
+(:meth:`~tearless.workers.rank.Rank.take_new_weights`); each token records its version
+(``token_versions``) and a response's version is its oldest token's (:func:`response_versions`).
+
 Every batch is a whole generation call: a prompt's ``n`` responses complete (and are scored) before
 they are trained on (GRPO groups); values for GAE come from the critic of the step that trains on
 them (:meth:`RLTrainer.forward_passes` runs at that step). The policy-lag correction is the rollout
@@ -86,8 +91,8 @@ def response_versions(
     newest = torch.where(mask, token_versions, -1).max(-1).values
     resumed = mask & (token_versions > oldest[:, None])
     metrics = {
-        "async/partial_frac": float((newest > oldest).float().mean()),
-        "async/resumed_token_frac": float(resumed.sum() / mask.sum().clamp(min=1)),
+        "async/partial_frac": int((newest > oldest).sum()) / len(oldest),
+        "async/resumed_token_frac": int(resumed.sum()) / max(1, int(mask.sum())),
     }
     return oldest, metrics
 

@@ -12,7 +12,7 @@ from transformers import AutoConfig
 
 from tearless import train
 from tearless.config import load_config
-from tearless.trainers.async_loop import Batch, fresh_groups, staleness_metrics
+from tearless.trainers.async_loop import Batch, fresh_groups, response_versions, staleness_metrics
 from tearless.trainers.rl import RLTrainer
 from tearless.trainers.tracking import read_metrics
 from tests.tolerances import logprob_tol
@@ -40,6 +40,19 @@ def test_fresh_groups_and_the_staleness_histogram():
 
 
 @pytest.mark.slow
+def test_a_responses_version_is_its_oldest_tokens_and_partial_ones_are_counted():
+    # Three responses of up to 4 tokens (mask 1 1 1 0 / 1 1 1 1 / 1 1 0 0) and their tokens' versions:
+    #   row 0: 3 3 4 .  continued under version 4 after two tokens: version 3, partial, 1 resumed token
+    #   row 1: 4 4 4 4  one version throughout
+    #   row 2: 2 3 . .  (padding holds 0, which must not count as the oldest)
+    # -> versions 3, 4, 2; 2 of 3 responses partial; resumed tokens 1 + 1 of 9.
+    versions = torch.tensor([[3, 3, 4, 0], [4, 4, 4, 4], [2, 3, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    oldest, metrics = response_versions(versions, mask)
+    assert oldest.tolist() == [3, 4, 2]
+    assert metrics == {"async/partial_frac": 2 / 3, "async/resumed_token_frac": 2 / 9}
+
+
 def test_max_staleness_zero_is_the_synchronous_run(overrides, tmp_path):
     steps = ("trainer.total_training_steps=3", *FAST)
     train(None, overrides(tmp_path / "sync", *steps), **QUIET)
