@@ -126,7 +126,7 @@ def time_ab(pairs: int) -> None:
 
 
 def mismatch(task_dir: str | None) -> None:
-    import pandas as pd
+    import pyarrow.parquet as pq
 
     from tearless.data.prompts import render_prompt
     from tearless.models.loading import load_causal_lm, load_tokenizer
@@ -139,8 +139,8 @@ def mismatch(task_dir: str | None) -> None:
     files = prepare_task(TaskSpec(), task_dir)  # the default run's task (cached)
     model = load_causal_lm(files.model_dir)
     tok = load_tokenizer(files.model_dir)
-    frame = pd.read_parquet(files.val_file).head(16)
-    prompts = [render_prompt(tok, p if isinstance(p, str) else list(p)) for p in frame["prompt"]]
+    rows = pq.read_table(files.val_file).to_pylist()[:16]
+    prompts = [render_prompt(tok, row["prompt"]) for row in rows]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     for rollout_name, rollout_dtype in dtypes.items():
         engine = HFRollout(
