@@ -137,8 +137,13 @@ class FSDPConfig:
     optimizer_offload: bool = doc(
         False, "Ray placement on GPU: keep the optimizer state in CPU memory between updates"
     )
-    param_dtype: str = doc(
-        "bfloat16", "Ray placement on GPU: compute dtype of FSDP2 mixed precision (master weights stay fp32)"
+    param_dtype: str | None = doc(
+        None,
+        "compute dtype of the role's forwards and backward (veRL: fsdp_config.mixed_precision.param_dtype): "
+        "float32 | bfloat16 | float16 (or fp32/bf16/fp16); master weights, optimizer state, log-softmax and "
+        "losses stay float32. GPU (Ray placement): FSDP2 mixed precision. CPU: bfloat16 runs under "
+        "torch.autocast where the CPU has AVX-512 BF16 or AMX (else a warning and float32: bf16 is ~100x "
+        "slower there). null = bfloat16 on GPU, float32 on CPU",
     )
     reshard_after_forward: bool = doc(
         True, "free each block's gathered parameters after its forward (less memory, one more all-gather)"
@@ -252,7 +257,8 @@ class RolloutConfig:
         None,
         "dtype of a rollout engine's own copy of the policy (vllm, or split rollout workers); null = "
         "bfloat16 on GPU, float32 on CPU. The built-in engine of the hybrid placement samples from the "
-        "trained weights themselves",
+        "trained weights themselves, on CPU computing in this dtype under autocast (bfloat16 where the "
+        "CPU has AVX-512 BF16 or AMX); null there = actor.fsdp_config.param_dtype",
     )
     nnodes: int = doc(0, "split placement (ray): nodes of the separate rollout workers; 0 = hybrid engine")
     n_gpus_per_node: int = doc(

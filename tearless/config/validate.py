@@ -413,7 +413,11 @@ def _validate_placement(cfg: Config) -> None:
             "Set both (the split placement) or both to 0 (the training workers generate).",
         )
     if rollout.dtype is not None:
-        _one_of("actor_rollout_ref.rollout.dtype", rollout.dtype, ("float32", "bfloat16", "float16"))
+        _one_of(
+            "actor_rollout_ref.rollout.dtype",
+            rollout.dtype,
+            ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+        )
     world = t.nnodes * t.n_gpus_per_node
     if t.placement == "local" and world != 1:
         _fail(
@@ -440,7 +444,8 @@ def _validate_placement(cfg: Config) -> None:
         ("actor_rollout_ref.ref.fsdp_config.param_dtype", cfg.actor_rollout_ref.ref.fsdp_config),
         ("critic.model.fsdp_config.param_dtype", cfg.critic.model.fsdp_config),
     ]:
-        _one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16"))
+        if fsdp.param_dtype is not None:
+            _one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is is not None:
         _one_of("algorithm.rollout_correction.rollout_is", rc.rollout_is, ("token", "sequence"))

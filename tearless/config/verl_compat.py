@@ -60,6 +60,17 @@ def _fsdp_rules(prefix: str) -> list[Rule]:
             "FSDP2 mixed-precision compute dtype",
             alias=f"{prefix}.fsdp_config.param_dtype",
         ),
+        Rule(
+            f"{prefix}.fsdp_config.mixed_precision.param_dtype",
+            "mixed-precision compute dtype",
+            alias=f"{prefix}.fsdp_config.param_dtype",
+        ),
+        Rule(
+            f"{prefix}.fsdp_config.mixed_precision.*",
+            "gradient reductions and buffers are float32",
+            accept=("fp32", "float32"),
+            instead="float32 (the only reduce/buffer dtype)",
+        ),
         Rule(f"{prefix}.fsdp_config.wrap_policy.*", "tearless's FSDP2 shards each decoder block"),
         Rule(f"{prefix}.fsdp_config.offload_policy", "CPU offload is param_offload/optimizer_offload here"),
         Rule(

@@ -14,11 +14,17 @@ chunk's z and uses
 then ∂/∂(hWᵀ) = ∂/∂z / τ, ∂h = ∂(hWᵀ) W and ∂W = ∂(hWᵀ)ᵀ h, chunk by chunk. Peak extra memory is
 a few (chunk × V) float32 blocks instead of several (N × V) ones (logits, their float32 copy, the
 log-softmax and its gradient).
+
+Under CPU autocast (bf16 compute, :mod:`tearless.models.precision`) the products h Wᵀ, ∂z W and
+∂zᵀ h run in bf16 as the LM head's own matmul would, each result upcast at once: the log-sum-exp,
+the softmax, the entropy and the gradients' accumulation stay float32.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tearless.models.precision import active_dtype
 
 # Elements of one chunk's float32 logits (64 MiB): 111 tokens of a 151,936-token vocabulary.
 CHUNK_ELEMENTS = 1 << 24
@@ -36,10 +42,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
         log_prob = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
-        w = weight.float()
+        # The matmuls' dtype: autocast's (bf16) when it is on, else float32; explicit, autocast off.
+        ctx.mm_dtype = active_dtype(hidden.device.type) or torch.float32
+        w = weight.to(ctx.mm_dtype)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            z = hidden[start:end].float() @ w.T / temperature
+            z = _mm(hidden[start:end], w.T, ctx.mm_dtype) / temperature
             lse[start:end] = torch.logsumexp(z, dim=-1)
             log_prob[start:end] = z.gather(-1, targets[start:end, None]).squeeze(-1) - lse[start:end]
             p = torch.exp(z - lse[start:end, None])
@@ -52,13 +60,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy, _):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        w = weight.float()
+        w = weight.to(ctx.mm_dtype)
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = min(start + ctx.chunk, hidden.shape[0])
-            h = hidden[start:end].float()
-            z = h @ w.T / ctx.temperature
+            h = hidden[start:end]
+            z = _mm(h, w.T, ctx.mm_dtype) / ctx.temperature
             p = torch.exp(z - lse[start:end, None])
             grad_z = torch.zeros_like(z)
             if grad_log_prob is not None:
@@ -70,9 +78,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
                 grad_z += grad_entropy[start:end, None] * p * (mean_z - z)
             grad_z /= ctx.temperature
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_z @ w
+                grad_hidden[start:end] = _mm(grad_z, w, ctx.mm_dtype)
             if grad_weight is not None:
-                grad_weight += grad_z.T @ h
+                grad_weight += _mm(grad_z.T, h, ctx.mm_dtype)
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
@@ -80,6 +88,12 @@ class _ChunkedLogProbs(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with both operands in ``dtype`` (autocast off), the result in float32."""
+    with torch.autocast(a.device.type, enabled=False):
+        return (a.to(dtype) @ b.to(dtype)).float()
 
 
 def chunked_logprobs(

@@ -32,6 +32,7 @@ from tearless.models.chunked import chunked_logprobs
 from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import pack_rows, packable, packed_forward
+from tearless.models.precision import autocast_for
 
 # What one more forward costs, in response tokens: an extra bucket must save more padding than this.
 BUCKET_OVERHEAD_TOKENS = 64
@@ -80,7 +81,39 @@ def response_logprobs(
     the packed pass's log-probs and entropy from the final hidden states a chunk of tokens at a time
     (:mod:`tearless.models.chunked`) when the model is not sharded and its LM head is a plain
     bias-free linear layer; otherwise the logits are formed whole.
+
+    A model marked for bf16 compute (:func:`tearless.models.precision.set_compute_dtype`, CPU) runs
+    its forwards under autocast; its logits are upcast to float32 before the log-softmax, so both
+    outputs are float32 in every precision.
     """
+    with autocast_for(model):
+        return _response_logprobs(
+            model,
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            share_prompts=share_prompts,
+            remove_padding=remove_padding,
+            fused_kernels=fused_kernels,
+        )
+
+
+def _response_logprobs(
+    model,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    *,
+    temperature,
+    with_entropy,
+    share_prompts,
+    remove_padding,
+    fused_kernels,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = compute_device(model)
     rows, width = response_ids.shape
     lengths = attended_lengths(response_mask)

@@ -21,6 +21,7 @@ from tearless.models.loading import (
 )
 from tearless.models.logprobs import attended_lengths, sequence_inputs
 from tearless.models.packing import pack_rows, packable, packed_forward
+from tearless.models.precision import autocast_for
 
 
 def load_value_model(
@@ -83,11 +84,13 @@ def response_values(
     lengths = attended_lengths(response_mask)
     if remove_padding and packable(prompt_mask, response_mask, lengths):
         packed = pack_rows(prompt_ids.to(device), prompt_mask.to(device), response_ids.to(device), lengths)
-        out = packed_forward(model, packed).logits[0, :, 0]
+        with autocast_for(model):
+            out = packed_forward(model, packed).logits[0, :, 0]
         return packed.unpack(out[packed.keep].float(), tuple(response_ids.shape))
     ids, mask, positions = (
         t.to(device) for t in sequence_inputs(prompt_ids, prompt_mask, response_ids, response_mask)
     )
     width = response_ids.shape[1]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.squeeze(-1)
+    with autocast_for(model):  # bf16 compute where the model is marked for it; the values in float32
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.squeeze(-1)
     return out[:, -width - 1 : -1].float()

@@ -16,6 +16,7 @@ import torch
 
 from tearless.algos import entropy_from_logits
 from tearless.models.compat import cache_kwargs
+from tearless.models.precision import autocast
 from tearless.rollout.seeds import inverse_cdf, sample_keys, uniforms
 
 
@@ -95,8 +96,18 @@ class HFRollout:
     recomputes for the PPO ratio (top-k/top-p only change which tokens can be drawn).
     """
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_ids: list[int], pad_token_id: int) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = model
+        # bf16: the decode loop's forwards run under CPU autocast (tearless.models.precision); the
+        # sampling distribution is computed from logits upcast to float32.
+        self.compute_dtype = compute_dtype
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.pad_token_id = pad_token_id
 
@@ -152,7 +163,7 @@ class HFRollout:
         expanded = [p for p in prompts for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), autocast(next(self.model.parameters()).device, self.compute_dtype):
                 tokens, logps, ents, mask, finished, versions = self._decode(
                     prompts,
                     n,

@@ -45,6 +45,7 @@ from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
 from tearless.workers.actor import on_policy, reward_kl
+from tearless.workers.build import precision_mismatch
 from tearless.workers.critic import critic_value_stats, explained_variance
 from tearless.workers.group import Rollout, make_workers
 from tearless.workers.spec import RankSpec
@@ -155,6 +156,9 @@ class RLTrainer:
             tool_config=tools,
         )
         self.workers = make_workers(spec, self.tokenizer.pad_token_id, run_dir=self.run_dir)
+        # The hybrid built-in engine sampling in another precision than the trainer's π_old forward
+        # (rollout.dtype vs actor param_dtype): π_old is recomputed so rollout_corr/* shows the mismatch.
+        self.precision_mismatch = precision_mismatch(cfg, device)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
@@ -365,6 +369,7 @@ class RLTrainer:
             or alg.use_kl_in_reward
             or any(v is not None for v in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
             or arr.rollout.name != "hf"
+            or self.precision_mismatch
         ):
             with timer("old_log_prob"):
                 td["old_log_prob"], _ = self.workers.compute_log_prob("actor", td)

@@ -4,8 +4,9 @@
 reads the weights on rank 0 only and broadcasts them into every rank's FSDP2 shards
 (:func:`tearless.distributed.fsdp.shard_from_rank0`), the other ranks building the architecture on
 the meta device. Sharded trained weights are float32 masters; on GPU forward and backward run in
-``fsdp_config.param_dtype``. :func:`build_rollout` makes a generating rank's engine, reward manager
-and agent loop.
+``fsdp_config.param_dtype`` (FSDP2 mixed precision), on CPU under autocast when it is bfloat16
+(:mod:`tearless.models.precision`). :func:`build_rollout` makes a generating rank's engine, reward
+manager and agent loop.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import torch
 
 from tearless.config import Config
-from tearless.models.loading import load_causal_lm, resolve_dtype
+from tearless.models.loading import load_causal_lm
+from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
 from tearless.workers.spec import RankSpec
 
@@ -27,6 +29,33 @@ def rollout_dtype(cfg: Config, device: str) -> str:
     and float32 on CPU."""
     name = cfg.actor_rollout_ref.rollout.dtype
     return name if name else ("bfloat16" if device == "cuda" else "float32")
+
+
+def role_key(role: str) -> str:
+    """The ``param_dtype`` config key of ``role`` (for messages)."""
+    prefix = "critic.model" if role == "critic" else f"actor_rollout_ref.{role}"
+    return f"{prefix}.fsdp_config.param_dtype"
+
+
+def hybrid_rollout_dtype(cfg: Config, device: str, *, warn: bool = True) -> torch.dtype:
+    """The compute dtype of the built-in engine sampling from the trained weights (hybrid placement):
+    ``rollout.dtype``, or the actor's ``param_dtype`` when it is null."""
+    name = cfg.actor_rollout_ref.rollout.dtype
+    if name is not None:
+        return compute_dtype(name, device, "actor_rollout_ref.rollout.dtype", warn=warn)
+    return compute_dtype(
+        cfg.actor_rollout_ref.actor.fsdp_config.param_dtype, device, role_key("actor"), warn=warn
+    )
+
+
+def precision_mismatch(cfg: Config, device: str) -> bool:
+    """Whether the hybrid built-in engine computes in another dtype than the actor's log-prob forward."""
+    if cfg.actor_rollout_ref.rollout.name != "hf" or cfg.actor_rollout_ref.rollout.nnodes > 0:
+        return False
+    actor = compute_dtype(
+        cfg.actor_rollout_ref.actor.fsdp_config.param_dtype, device, role_key("actor"), warn=False
+    )
+    return hybrid_rollout_dtype(cfg, device, warn=False) != actor
 
 
 class ModelBuilder:
@@ -43,19 +72,29 @@ class ModelBuilder:
         return getattr(cfg.actor_rollout_ref, role).fsdp_config
 
     def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
-        """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0."""
+        """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0;
+        on CPU, marked to compute in ``role``'s ``param_dtype`` (autocast) when that is bfloat16."""
+        model = self._shard(build, role)
+        if self.device.type == "cpu":
+            dtype = compute_dtype(self.fsdp(role).param_dtype, self.device, role_key(role))
+            if dtype != torch.float32:
+                set_compute_dtype(model, dtype)
+        return model
+
+    def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         if self.world == 1:
             return build(True).to(self.device)
         from tearless.distributed.fsdp import shard_from_rank0
 
         fsdp, cuda = self.fsdp(role), self.device.type == "cuda"
+        dtype = compute_dtype(fsdp.param_dtype, self.device, role_key(role), warn=False)
         model = shard_from_rank0(
             build,
             self.mesh,
             rank=self.rank,
             device="cpu" if fsdp.param_offload and cuda else self.device,
             param_offload=fsdp.param_offload and cuda,
-            param_dtype=resolve_dtype(fsdp.param_dtype) if cuda else None,
+            param_dtype=dtype if cuda else None,
             reshard_after_forward=fsdp.reshard_after_forward,
         )
         if cuda:
@@ -149,7 +188,11 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
         if model is None:
             model = load_causal_lm(spec.model_path, dtype=rollout_dtype(cfg, spec.device)).to(device)
             model.requires_grad_(False)
-        engine = HFRollout(model, eos_token_ids=sorted(eos), pad_token_id=tokenizer.pad_token_id)
+        # Sampling from the trained weights (hybrid): autocast in the rollout's precision on CPU.
+        precision = hybrid_rollout_dtype(cfg, spec.device) if trained is not None else None
+        engine = HFRollout(
+            model, eos_token_ids=sorted(eos), pad_token_id=tokenizer.pad_token_id, compute_dtype=precision
+        )
     from tearless.rewards import load_reward_function, make_reward_manager
 
     crf = cfg.custom_reward_function
