@@ -10,6 +10,12 @@ greedy decode loop and the task's scorer) on the first ``--eval-prompts`` held-o
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --case small --steps 6 --rounds 3
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --case medium --steps 3 --rounds 2
 
+``--case`` also takes the diverging cases of ``cases.py`` (``diverge-L64-H256-C64``, …);
+``vs_trl_axes.py`` runs the grid of them. Each run also reports its own rollouts' mean response
+length and mean reward per step (tearless: ``response_length/mean`` and ``critic/score/mean``; TRL:
+``completions/mean_length`` and ``reward`` of its log), and ``--eval-prompts 0`` skips the held-out
+evaluation.
+
 Settings shared by both (see BENCHMARKS.md for the mapping of every key): GRPO advantages
 normalised by the group's std, token-mean loss (TRL ``loss_type="dapo"``), clip ε = 0.2, one
 iteration per generation (on-policy: no old-log-prob pass in either), AdamW (β 0.9/0.999, weight
@@ -106,7 +112,7 @@ def run_tearless(case: Case, steps: int, seed: int, threads: int, eval_prompts: 
         cfg = load_config(None, tearless_overrides(case, tmp, steps, seed, threads))
         trainer = RLTrainer(cfg, log=lambda _: None)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        times, rss, phases = [], [], []
+        times, rss, phases, lengths, rewards = [], [], [], [], []
         try:
             for step in range(1, steps + 1):
                 start = time.perf_counter()
@@ -114,10 +120,20 @@ def run_tearless(case: Case, steps: int, seed: int, threads: int, eval_prompts: 
                 times.append(time.perf_counter() - start)
                 rss.append(peak_rss_mb())
                 phases.append({k: v for k, v in metrics.items() if k.startswith("timing_s/")})
+                lengths.append(metrics["response_length/mean"])
+                rewards.append(metrics["critic/score/mean"])
         finally:
-            trainer.reward.close()
-        result = evaluate(case, trainer.model, trainer.tokenizer, eval_prompts)
-    return {"step_s": times, "peak_rss_mb": rss, "phases": phases, **result}
+            trainer.workers.close()  # the reward processes; the actor's model stays usable
+        model = trainer.workers.rank.roles["actor"].model  # world size 1: LocalWorkers' one rank
+        result = evaluate(case, model, trainer.tokenizer, eval_prompts) if eval_prompts else {}
+    return {
+        "step_s": times,
+        "peak_rss_mb": rss,
+        "phases": phases,
+        "response_length": lengths,
+        "reward": rewards,
+        **result,
+    }
 
 
 def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
@@ -210,8 +226,15 @@ def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) 
         )
         torch.set_num_threads(threads)
         trainer.train()
-        result = evaluate(case, trainer.model, tokenizer, eval_prompts)
-    return {"step_s": timer.times, "peak_rss_mb": timer.rss, **result}
+        result = evaluate(case, trainer.model, tokenizer, eval_prompts) if eval_prompts else {}
+        logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    return {
+        "step_s": timer.times,
+        "peak_rss_mb": timer.rss,
+        "response_length": [h["completions/mean_length"] for h in logged],
+        "reward": [h["reward"] for h in logged],
+        **result,
+    }
 
 
 def worker(args) -> None:
@@ -226,9 +249,25 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def run_fresh(name: str, case: str, steps: int, threads: int, seed: int, eval_prompts: int) -> dict:
+    """One run of framework ``name`` ("tearless" or "trl") on ``case`` in a fresh process, with the
+    1-minute load average before and after it."""
+    load = load_average()
+    cmd = [sys.executable, __file__, "--worker", name, "--case", case]
+    cmd += ["--steps", str(steps), "--threads", str(threads), "--seed", str(seed)]
+    cmd += ["--eval-prompts", str(eval_prompts)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name} run on {case} failed:\n{proc.stderr[-4000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT ") :])
+    return {**result, "load_before": load, "load_after": load_average()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=["small", "medium"], default="small")
+    ap.add_argument("--case", default="small", help="small, medium or diverge-L<length>-H<hidden>-C<n>")
     ap.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is a warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of tearless and TRL")
     ap.add_argument("--threads", type=int, default=1)
@@ -243,25 +282,19 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"tearless": [], "trl": []}
     for r in range(args.rounds):
         for name in ("tearless", "trl"):
-            load = load_average()
-            cmd = [sys.executable, __file__, "--worker", name, "--case", args.case]
-            cmd += ["--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]
-            cmd += ["--eval-prompts", str(args.eval_prompts)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"{name} run failed:\n{proc.stderr[-4000:]}")
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-            result = json.loads(line[len("RESULT ") :])
-            result["load_before"] = load
-            result["load_after"] = load_average()
+            result = run_fresh(name, args.case, args.steps, args.threads, args.seed, args.eval_prompts)
+            load = result["load_before"]
             runs[name].append(result)
             steady = result["step_s"][1:]
             each = ", ".join(f"{t:.2f}" for t in result["step_s"])
+            held = ""
+            if "acc" in result:
+                held = f"held-out acc {result['acc']:.3f} score {result['score']:.3f}, "
+            length = statistics.mean(result["response_length"])
             print(
                 f"round {r + 1} {name:8s}: median {statistics.median(steady):.3f} s/step "
-                f"(steps {each}), held-out acc {result['acc']:.3f} "
-                f"score {result['score']:.3f}, peak RSS {max(result['peak_rss_mb']):.0f} MiB, "
+                f"(steps {each}), {held}mean response length {length:.1f}, "
+                f"peak RSS {max(result['peak_rss_mb']):.0f} MiB, "
                 f"load {load:.2f} -> {result['load_after']:.2f}",
                 flush=True,
             )
@@ -278,8 +311,11 @@ def main() -> None:
             statistics.median(b["step_s"][1:]) / statistics.median(a["step_s"][1:])
             for a, b in zip(runs["tearless"], runs["trl"], strict=True)
         ],
-        "held_out_acc": {k: [run["acc"] for run in v] for k, v in runs.items()},
-        "held_out_score": {k: [run["score"] for run in v] for k, v in runs.items()},
+        "held_out_acc": {k: [run.get("acc") for run in v] for k, v in runs.items()},
+        "held_out_score": {k: [run.get("score") for run in v] for k, v in runs.items()},
+        "mean_response_length": {
+            k: [statistics.mean(run["response_length"]) for run in v] for k, v in runs.items()
+        },
         "peak_rss_mb": {k: max(max(run["peak_rss_mb"]) for run in v) for k, v in runs.items()},
         "load_average": [run["load_before"] for v in runs.values() for run in v],
     }
