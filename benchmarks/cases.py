@@ -38,7 +38,7 @@ from tearless.models.loading import quiet_transformers
 MEDIUM_WARMUP_STEPS = 60
 DIVERGE_VOCAB = 1024
 DIVERGE_LAYERS = 4
-_DIVERGE = re.compile(r"diverge-L(\d+)-H(\d+)-C(\d+)")
+DIVERGE_NAME = re.compile(r"diverge-L(\d+)-H(\d+)-C(\d+)")
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def build_diverge(root: Path, model_dir: Path, hidden: int, *, seed: int = 1) ->
 
 def make_case(name: str, cache: Path | None = None) -> Case:
     """A case by name: ``small``, ``medium`` or ``diverge-L{length}-H{hidden}-C{completions}``."""
-    match = _DIVERGE.fullmatch(name)
+    match = DIVERGE_NAME.fullmatch(name)
     if match:
         return diverge_case(*(int(g) for g in match.groups()), cache=cache)
     if name not in ("small", "medium"):

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -104,12 +105,14 @@ def tearless_overrides(case: Case, run_dir: str, steps: int, seed: int, threads:
     ]
 
 
-def run_tearless(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
+def run_tearless(
+    case: Case, steps: int, seed: int, threads: int, eval_prompts: int, extra: Sequence[str] = ()
+) -> dict:
     from tearless.config import load_config
     from tearless.trainers.rl import RLTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, tearless_overrides(case, tmp, steps, seed, threads))
+        cfg = load_config(None, [*tearless_overrides(case, tmp, steps, seed, threads), *extra])
         trainer = RLTrainer(cfg, log=lambda _: None)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         times, rss, phases, lengths, rewards = [], [], [], [], []
@@ -240,29 +243,47 @@ def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) 
 def worker(args) -> None:
     torch.set_num_threads(args.threads)
     case = make_case(args.case)
-    run = run_tearless if args.worker == "tearless" else run_trl
-    result = run(case, args.steps, args.seed, args.threads, args.eval_prompts)
+    common = (case, args.steps, args.seed, args.threads, args.eval_prompts)
+    result = run_tearless(*common, args.tearless_set) if args.worker == "tearless" else run_trl(*common)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+SET_HELP = "an extra tearless override (repeatable): a lever against the same TRL runs"
 
 
 def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def run_fresh(name: str, case: str, steps: int, threads: int, seed: int, eval_prompts: int) -> dict:
+def run_fresh(
+    name: str,
+    case: str,
+    steps: int,
+    threads: int,
+    seed: int,
+    eval_prompts: int,
+    tearless_set: Sequence[str] = (),
+) -> dict:
     """One run of framework ``name`` ("tearless" or "trl") on ``case`` in a fresh process, with the
-    1-minute load average before and after it."""
-    load = load_average()
+    1-minute load average before and after it and the process's wall time; ``tearless_set``: extra
+    ``key=value`` overrides for tearless (a lever to compare, e.g. ``…model.use_remove_padding=true``)."""
+    load, start = load_average(), time.perf_counter()
     cmd = [sys.executable, __file__, "--worker", name, "--case", case]
     cmd += ["--steps", str(steps), "--threads", str(threads), "--seed", str(seed)]
     cmd += ["--eval-prompts", str(eval_prompts)]
+    cmd += [f"--tearless-set={kv}" for kv in tearless_set if name == "tearless"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"{name} run on {case} failed:\n{proc.stderr[-4000:]}")
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     result = json.loads(line[len("RESULT ") :])
-    return {**result, "load_before": load, "load_after": load_average()}
+    return {
+        **result,
+        "load_before": load,
+        "load_after": load_average(),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -273,6 +294,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval-prompts", type=int, default=100)
+    ap.add_argument("--tearless-set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     ap.add_argument("--worker", choices=["tearless", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -282,7 +304,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"tearless": [], "trl": []}
     for r in range(args.rounds):
         for name in ("tearless", "trl"):
-            result = run_fresh(name, args.case, args.steps, args.threads, args.seed, args.eval_prompts)
+            result = run_fresh(
+                name, args.case, args.steps, args.threads, args.seed, args.eval_prompts, args.tearless_set
+            )
             load = result["load_before"]
             runs[name].append(result)
             steady = result["step_s"][1:]
@@ -301,6 +325,7 @@ def main() -> None:
     med = {k: statistics.median(t for run in v for t in run["step_s"][1:]) for k, v in runs.items()}
     report = {
         "case": args.case,
+        "tearless_set": args.tearless_set,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"torch {torch.__version__}, {args.threads} thread(s)",
         "median_s_per_step": med,
