@@ -45,6 +45,13 @@ from cases import Case, load_prompts, make_case
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: ``VmHWM`` where Linux has it, because
+    ``ru_maxrss`` survives ``exec`` and would report the parent's peak at the fork when larger."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
