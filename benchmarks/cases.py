@@ -1,4 +1,4 @@
-"""The two performance cases shared by ``vs_trl.py`` and ``ceiling.py``: model files, data, settings.
+"""The performance cases of ``vs_trl.py``, ``vs_trl_axes.py`` and ``ceiling.py``: model files, data, settings.
 
 - small: a Llama-style model, hidden 256, 4 layers, the embedded arithmetic task (warmed up by the
   task's own 300-step recipe), 8 prompts × 8 generations, up to 16 new tokens, no reference model.
@@ -9,12 +9,24 @@
   not the sums (greedy accuracy 0), so the task's graded similarity reward is what differs within
   groups. The medium case measures speed and memory; its accuracy comparison is weak by design.
 
+- diverge (``diverge-L{length}-H{hidden}-C{completions}``, the axes of issue 23): an *untrained*
+  Llama (hidden ``H``, 4 layers, tied embeddings, 512 positions) over a 1,024-token vocabulary (the
+  character tokenizer plus 916 word tokens ``<t0>`` … ``<t915>``), the ``long_addition`` prompts
+  and reward, ``C / 8`` prompts × 8 generations, up to ``L`` new tokens, lr 1e-4, no reference
+  model. At temperature 1 an untrained model samples close to uniformly, so every sample differs
+  from its first token (nothing for row sharing to merge) and runs to the length cap or near it:
+  the end-of-turn token has probability about 1/1,024 per token, so about 98% of 16-token, 94% of
+  64-token and 78% of 256-token samples reach the cap. The reward is the task's graded similarity
+  (its accuracy is 0 by construction): it differs between samples, so every group has advantages.
+  No warm-up: the files take seconds to build.
+
 Files are built once under ``$TEARLESS_CACHE`` (or ``~/.cache/tearless``) and reused.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +36,9 @@ import torch
 from tearless.models.loading import quiet_transformers
 
 MEDIUM_WARMUP_STEPS = 60
+DIVERGE_VOCAB = 1024
+DIVERGE_LAYERS = 4
+DIVERGE_NAME = re.compile(r"diverge-L(\d+)-H(\d+)-C(\d+)")
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,70 @@ def build_medium(root: Path, *, seed: int = 1) -> None:
     (root / "done.json").write_text(json.dumps(info))
 
 
+def diverge_name(length: int, hidden: int, completions: int) -> str:
+    return f"diverge-L{length}-H{hidden}-C{completions}"
+
+
+def diverge_case(length: int, hidden: int, completions: int, cache: Path | None = None) -> Case:
+    """The untrained-model case at response length ``length``, hidden size ``hidden`` and
+    ``completions`` samples per step (8 per prompt)."""
+    from tearless.tasks.bootstrap import default_cache_dir
+
+    if completions % 8 or length < 1 or length > 480:
+        raise ValueError(
+            f"diverge case {diverge_name(length, hidden, completions)}: completions must be a multiple of "
+            "8 (8 generations per prompt) and the length 1-480 (the model has 512 positions)"
+        )
+    root = (cache or default_cache_dir()) / f"bench-diverge-v{DIVERGE_VOCAB}"
+    model = root / f"model-h{hidden}x{DIVERGE_LAYERS}"
+    if not (model / "done.json").is_file():
+        build_diverge(root, model, hidden)
+    return Case(
+        diverge_name(length, hidden, completions),
+        str(model),
+        str(root / "train.parquet"),
+        str(root / "test.parquet"),
+        "long_addition",
+        completions // 8,
+        8,
+        length,
+        1e-4,
+        0.0,
+    )
+
+
+def build_diverge(root: Path, model_dir: Path, hidden: int, *, seed: int = 1) -> None:
+    """The diverge case's data (once) and its untrained ``hidden``-wide model, under ``root``."""
+    from tearless.data import write_parquet
+    from tearless.tasks import long_addition
+    from tearless.tasks.bootstrap import tokenizer_llama
+    from tearless.tasks.tokenizer import build_char_tokenizer
+
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "train.parquet").is_file():
+        val = long_addition.generate_rows(200, seed=seed * 1000 + 1, split="test")
+        held = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in val}
+        train = long_addition.generate_rows(4000, seed=seed * 1000 + 2, split="train", exclude=held)
+        write_parquet(val, root / "test.parquet")
+        write_parquet(train, root / "train.parquet")
+    tok = build_char_tokenizer()
+    tok = build_char_tokenizer([f"<t{i}>" for i in range(DIVERGE_VOCAB - len(tok))])
+    model = tokenizer_llama(
+        tok, hidden_size=hidden, num_layers=DIVERGE_LAYERS, seed=seed, max_position_embeddings=512
+    )
+    with quiet_transformers():
+        model.save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    (model_dir / "done.json").write_text(json.dumps({"vocab": len(tok), "hidden": hidden}))
+
+
 def make_case(name: str, cache: Path | None = None) -> Case:
+    """A case by name: ``small``, ``medium`` or ``diverge-L{length}-H{hidden}-C{completions}``."""
+    match = DIVERGE_NAME.fullmatch(name)
+    if match:
+        return diverge_case(*(int(g) for g in match.groups()), cache=cache)
+    if name not in ("small", "medium"):
+        raise ValueError(f"unknown case {name!r}: small, medium or diverge-L<length>-H<hidden>-C<n>")
     return {"small": small_case, "medium": medium_case}[name](cache)
 
 

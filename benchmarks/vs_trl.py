@@ -10,6 +10,12 @@ greedy decode loop and the task's scorer) on the first ``--eval-prompts`` held-o
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --case small --steps 6 --rounds 3
     OMP_NUM_THREADS=1 python benchmarks/vs_trl.py --case medium --steps 3 --rounds 2
 
+``--case`` also takes the diverging cases of ``cases.py`` (``diverge-L64-H256-C64``, …);
+``vs_trl_axes.py`` runs the grid of them. Each run also reports its own rollouts' mean response
+length and mean reward per step (tearless: ``response_length/mean`` and ``critic/score/mean``; TRL:
+``completions/mean_length`` and ``reward`` of its log), and ``--eval-prompts 0`` skips the held-out
+evaluation.
+
 Settings shared by both (see BENCHMARKS.md for the mapping of every key): GRPO advantages
 normalised by the group's std, token-mean loss (TRL ``loss_type="dapo"``), clip ε = 0.2, one
 iteration per generation (on-policy: no old-log-prob pass in either), AdamW (β 0.9/0.999, weight
@@ -29,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,6 +45,13 @@ from cases import Case, load_prompts, make_case
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: ``VmHWM`` where Linux has it, because
+    ``ru_maxrss`` survives ``exec`` and would report the parent's peak at the fork when larger."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -98,15 +112,17 @@ def tearless_overrides(case: Case, run_dir: str, steps: int, seed: int, threads:
     ]
 
 
-def run_tearless(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
+def run_tearless(
+    case: Case, steps: int, seed: int, threads: int, eval_prompts: int, extra: Sequence[str] = ()
+) -> dict:
     from tearless.config import load_config
     from tearless.trainers.rl import RLTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = load_config(None, tearless_overrides(case, tmp, steps, seed, threads))
+        cfg = load_config(None, [*tearless_overrides(case, tmp, steps, seed, threads), *extra])
         trainer = RLTrainer(cfg, log=lambda _: None)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
-        times, rss, phases = [], [], []
+        times, rss, phases, lengths, rewards = [], [], [], [], []
         try:
             for step in range(1, steps + 1):
                 start = time.perf_counter()
@@ -114,10 +130,20 @@ def run_tearless(case: Case, steps: int, seed: int, threads: int, eval_prompts: 
                 times.append(time.perf_counter() - start)
                 rss.append(peak_rss_mb())
                 phases.append({k: v for k, v in metrics.items() if k.startswith("timing_s/")})
+                lengths.append(metrics["response_length/mean"])
+                rewards.append(metrics["critic/score/mean"])
         finally:
-            trainer.reward.close()
-        result = evaluate(case, trainer.model, trainer.tokenizer, eval_prompts)
-    return {"step_s": times, "peak_rss_mb": rss, "phases": phases, **result}
+            trainer.workers.close()  # the reward processes; the actor's model stays usable
+        model = trainer.workers.rank.roles["actor"].model  # world size 1: LocalWorkers' one rank
+        result = evaluate(case, model, trainer.tokenizer, eval_prompts) if eval_prompts else {}
+    return {
+        "step_s": times,
+        "peak_rss_mb": rss,
+        "phases": phases,
+        "response_length": lengths,
+        "reward": rewards,
+        **result,
+    }
 
 
 def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
@@ -210,30 +236,72 @@ def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) 
         )
         torch.set_num_threads(threads)
         trainer.train()
-        result = evaluate(case, trainer.model, tokenizer, eval_prompts)
-    return {"step_s": timer.times, "peak_rss_mb": timer.rss, **result}
+        result = evaluate(case, trainer.model, tokenizer, eval_prompts) if eval_prompts else {}
+        logged = [h for h in trainer.state.log_history if "completions/mean_length" in h]
+    return {
+        "step_s": timer.times,
+        "peak_rss_mb": timer.rss,
+        "response_length": [h["completions/mean_length"] for h in logged],
+        "reward": [h["reward"] for h in logged],
+        **result,
+    }
 
 
 def worker(args) -> None:
     torch.set_num_threads(args.threads)
     case = make_case(args.case)
-    run = run_tearless if args.worker == "tearless" else run_trl
-    result = run(case, args.steps, args.seed, args.threads, args.eval_prompts)
+    common = (case, args.steps, args.seed, args.threads, args.eval_prompts)
+    result = run_tearless(*common, args.tearless_set) if args.worker == "tearless" else run_trl(*common)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+SET_HELP = "an extra tearless override (repeatable): a lever against the same TRL runs"
 
 
 def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def run_fresh(
+    name: str,
+    case: str,
+    steps: int,
+    threads: int,
+    seed: int,
+    eval_prompts: int,
+    tearless_set: Sequence[str] = (),
+) -> dict:
+    """One run of framework ``name`` ("tearless" or "trl") on ``case`` in a fresh process, with the
+    1-minute load average before and after it and the process's wall time; ``tearless_set``: extra
+    ``key=value`` overrides for tearless (a lever to compare, e.g. ``…model.use_remove_padding=true``)."""
+    load, start = load_average(), time.perf_counter()
+    cmd = [sys.executable, __file__, "--worker", name, "--case", case]
+    cmd += ["--steps", str(steps), "--threads", str(threads), "--seed", str(seed)]
+    cmd += ["--eval-prompts", str(eval_prompts)]
+    cmd += [f"--tearless-set={kv}" for kv in tearless_set if name == "tearless"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{name} run on {case} failed:\n{proc.stderr[-4000:]}")
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    result = json.loads(line[len("RESULT ") :])
+    return {
+        **result,
+        "load_before": load,
+        "load_after": load_average(),
+        "wall_s": time.perf_counter() - start,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=["small", "medium"], default="small")
+    ap.add_argument("--case", default="small", help="small, medium or diverge-L<length>-H<hidden>-C<n>")
     ap.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is a warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of tearless and TRL")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval-prompts", type=int, default=100)
+    ap.add_argument("--tearless-set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     ap.add_argument("--worker", choices=["tearless", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -243,31 +311,28 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"tearless": [], "trl": []}
     for r in range(args.rounds):
         for name in ("tearless", "trl"):
-            load = load_average()
-            cmd = [sys.executable, __file__, "--worker", name, "--case", args.case]
-            cmd += ["--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]
-            cmd += ["--eval-prompts", str(args.eval_prompts)]
-            env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"{name} run failed:\n{proc.stderr[-4000:]}")
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
-            result = json.loads(line[len("RESULT ") :])
-            result["load_before"] = load
-            result["load_after"] = load_average()
+            result = run_fresh(
+                name, args.case, args.steps, args.threads, args.seed, args.eval_prompts, args.tearless_set
+            )
+            load = result["load_before"]
             runs[name].append(result)
             steady = result["step_s"][1:]
             each = ", ".join(f"{t:.2f}" for t in result["step_s"])
+            held = ""
+            if "acc" in result:
+                held = f"held-out acc {result['acc']:.3f} score {result['score']:.3f}, "
+            length = statistics.mean(result["response_length"])
             print(
                 f"round {r + 1} {name:8s}: median {statistics.median(steady):.3f} s/step "
-                f"(steps {each}), held-out acc {result['acc']:.3f} "
-                f"score {result['score']:.3f}, peak RSS {max(result['peak_rss_mb']):.0f} MiB, "
+                f"(steps {each}), {held}mean response length {length:.1f}, "
+                f"peak RSS {max(result['peak_rss_mb']):.0f} MiB, "
                 f"load {load:.2f} -> {result['load_after']:.2f}",
                 flush=True,
             )
     med = {k: statistics.median(t for run in v for t in run["step_s"][1:]) for k, v in runs.items()}
     report = {
         "case": args.case,
+        "tearless_set": args.tearless_set,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"torch {torch.__version__}, {args.threads} thread(s)",
         "median_s_per_step": med,
@@ -278,8 +343,11 @@ def main() -> None:
             statistics.median(b["step_s"][1:]) / statistics.median(a["step_s"][1:])
             for a, b in zip(runs["tearless"], runs["trl"], strict=True)
         ],
-        "held_out_acc": {k: [run["acc"] for run in v] for k, v in runs.items()},
-        "held_out_score": {k: [run["score"] for run in v] for k, v in runs.items()},
+        "held_out_acc": {k: [run.get("acc") for run in v] for k, v in runs.items()},
+        "held_out_score": {k: [run.get("score") for run in v] for k, v in runs.items()},
+        "mean_response_length": {
+            k: [statistics.mean(run["response_length"]) for run in v] for k, v in runs.items()
+        },
         "peak_rss_mb": {k: max(max(run["peak_rss_mb"]) for run in v) for k, v in runs.items()},
         "load_average": [run["load_before"] for v in runs.values() for run in v],
     }
