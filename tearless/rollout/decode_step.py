@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tearless.rollout.seeds import inverse_cdf
+from tearless.rollout.seeds import clamp_to_support, inverse_cdf
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -73,7 +73,12 @@ def sample_step(
     else:
         if top_k > 0 or top_p < 1.0:
             probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
-        tok = _draw_distinct(probs[owner], u) if distinct else inverse_cdf(probs, owner, u)
+        if not distinct:
+            tok = inverse_cdf(probs, owner, u)
+        else:  # the decode loop's own rows in order: no (B, V) copy of the probabilities
+            in_order = torch.arange(len(owner), device=owner.device)
+            identity = len(owner) == len(probs) and bool((owner == in_order).all())
+            tok = _draw_distinct(probs if identity else probs[owner], u)
     log_prob = shifted[owner, tok] - log_z[owner]
     return tok, log_prob, entropy[owner]
 
@@ -81,7 +86,5 @@ def sample_step(
 def _draw_distinct(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """:func:`inverse_cdf` for one output row per model row, row i of ``probs`` (B, V) at ``u[i]``."""
     cdf = probs.cumsum(-1)
-    drawn = torch.searchsorted(cdf, u.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:], right=True)
-    # u·Z can round up to Z itself: such a draw takes the last token of non-zero probability.
-    last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1, keepdim=True)
-    return torch.minimum(drawn, last)[:, 0]
+    drawn = torch.searchsorted(cdf, u.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:], right=True)[:, 0]
+    return clamp_to_support(probs, drawn)

@@ -51,7 +51,7 @@ def test_the_distinct_draw_is_the_grouped_draw_bit_for_bit():
     # makes the same comparisons as inverse_cdf's grouped search, including u·Z rounding up to Z.
     gen = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(40, 97, generator=gen)
-    logits[5, 50:] = float("-inf")  # zero-probability tail: the u → 1 draw takes token 49
+    logits[5, 50:] = -1e4  # probability exactly 0 in float32: the u → 1 draw takes token 49
     perm = torch.randperm(40, generator=gen)
     owner = torch.cat([torch.tensor([5]), perm[perm != 5][:29]])
     for t in range(20):
@@ -111,7 +111,8 @@ def test_the_decode_loop_draws_what_a_plain_per_sample_loop_draws(setup, n):
         assert out.response_ids[row, :length].tolist() == toks
         torch.testing.assert_close(out.log_probs[row, :length], torch.tensor(logps), atol=lp_tol, rtol=0)
         torch.testing.assert_close(out.entropy[row, :length], torch.tensor(ents), atol=ent_tol, rtol=0)
-    assert len({tuple(t) for t, _, _ in ref}) > len(prompts)  # the samples did diverge
+    if n > 1:  # a prompt's samples did diverge (the shared rows split)
+        assert len({tuple(t) for t, _, _ in ref}) > len(prompts)
 
 
 def test_the_buffered_cache_fills_to_its_capacity_and_refuses_one_more_position(setup):
