@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tearless.algos import entropy_from_logits
 from tearless.models.compat import cache_kwargs
 from tearless.models.precision import autocast
-from tearless.rollout.seeds import inverse_cdf, sample_keys, uniforms
+from tearless.rollout.decode_step import filter_logits, sample_step
+from tearless.rollout.seeds import sample_keys, uniforms
+
+__all__ = ["HFRollout", "RolloutOutput", "concat_rollouts", "filter_logits", "left_pad", "select_rows"]
 
 
 @dataclass
@@ -68,25 +70,6 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, width - len(s) :] = 1
     return ids, mask
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
-    """Set logits outside the top-k set and outside the top-p nucleus to -inf.
-
-    top-p keeps the smallest set of tokens whose probability mass reaches ``top_p`` (the most likely
-    token is always kept). ``top_k <= 0`` and ``top_p >= 1`` disable each filter.
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
 
 
 class HFRollout:
@@ -252,16 +235,13 @@ class HFRollout:
         rows = torch.arange(batch, device=device)  # the live output rows
         owner = rows // n  # the model row of each live output row
         width = 0
+        shared = n > 1  # False once every live sample has its own model row (rows never merge)
         for t in range(max_new_tokens):
-            scaled = logits / temperature if do_sample or temperature > 0 else logits
-            if do_sample:
-                probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
-                tok = inverse_cdf(probs, owner, draws[rows, t])
-            else:
-                tok = scaled.argmax(-1)[owner]
+            u = draws[rows, t] if do_sample else None
+            tok, logps[rows, t], ents[rows, t] = sample_step(
+                logits, owner, u, temperature=temperature, top_k=top_k, top_p=top_p, distinct=not shared
+            )
             tokens[rows, t] = tok
-            logps[rows, t] = scaled[owner, tok] - torch.logsumexp(scaled, dim=-1)[owner]
-            ents[rows, t] = entropy_from_logits(scaled)[owner]
             mask[rows, t] = 1
             versions[rows, t] = version
             width = t + 1
@@ -277,17 +257,22 @@ class HFRollout:
                 ids, attn = (x.to(device) for x in left_pad(history, self.pad_token_id))
                 capacity = ids.shape[1] + max_new_tokens - t - 1
                 logits, cache, attn, next_pos = self._prefill(ids, attn, capacity)
-                owner = torch.arange(len(rows), device=device)
+                owner, shared = torch.arange(len(rows), device=device), False
                 continue
             # The next model rows: one per distinct (model row, token) among the live output rows.
-            vocab = scaled.shape[-1]
-            keys, inverse = torch.unique(owner * vocab + tok, return_inverse=True)
-            parent, step_tok = keys // vocab, keys % vocab
-            split = bool((parent[1:] == parent[:-1]).any())
+            if shared:
+                vocab = logits.shape[-1]
+                keys, inverse = torch.unique(owner * vocab + tok, return_inverse=True)
+                parent, step_tok = keys // vocab, keys % vocab
+                split = bool((parent[1:] == parent[:-1]).any())
+            else:  # every sample has its own row: nothing to group
+                parent, step_tok, split = owner, tok, False
+                inverse = torch.arange(len(rows), device=device)
             if split and 2 * len(parent) >= len(rows):
                 # Mostly distinct already: one row per sample from here on, so no split copies the
                 # cache again (samples that diverge early would otherwise pay one copy per step).
                 parent, step_tok, inverse = owner, tok, torch.arange(len(rows), device=device)
+                shared = False
             if split or len(parent) <= 0.75 * len(logits):
                 cache.batch_select_indices(parent)
                 attn, next_pos, owner = attn[parent], next_pos[parent], inverse

@@ -79,7 +79,23 @@ def inverse_cdf(probs: torch.Tensor, owner: torch.Tensor, u: torch.Tensor) -> to
     rank[order] = torch.arange(len(owner), device=owner.device) - (counts.cumsum(0) - counts)[owner[order]]
     targets = torch.zeros((probs.shape[0], int(counts.max())), dtype=cdf.dtype, device=cdf.device)
     targets[owner, rank] = u.to(cdf.device, cdf.dtype) * total[owner, 0]
-    drawn = torch.searchsorted(cdf, targets, right=True)
-    # u·Z can round up to Z itself: such a draw takes the last token of non-zero probability.
-    last = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(-1, keepdim=True)
-    return torch.minimum(drawn, last)[owner, rank]
+    drawn = torch.searchsorted(cdf, targets, right=True)[owner, rank]
+    return clamp_to_support(probs, drawn, owner)
+
+
+def clamp_to_support(
+    probs: torch.Tensor, drawn: torch.Tensor, owner: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``drawn`` (B,), tokens searched in the CDF of rows ``owner`` (default: row i for i) of ``probs``
+    (U, V), with every index V (past the vocabulary) replaced by that row's last token of non-zero
+    probability.
+
+    u·Z can round up to the total Z itself, and ``searchsorted(right=True)`` then returns V. Any
+    smaller target lands at or before the last non-zero token (where the CDF reaches Z), so only V
+    needs the fix, and the search for the last non-zero token runs on those rare rows alone.
+    """
+    past = drawn == probs.shape[1]
+    if not bool(past.any()):
+        return drawn
+    rows = probs[past] if owner is None else probs[owner[past]]
+    return drawn.masked_scatter(past, probs.shape[1] - 1 - (rows.flip(-1) > 0).to(torch.int8).argmax(-1))
