@@ -174,7 +174,7 @@ def measure_steps(
                 )
                 rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         finally:
-            trainer.reward.close()
+            trainer.workers.close()
     steady = phases[1:] or phases
     model_passes = ("gen", "update_actor", "ref", "old_log_prob")
 
