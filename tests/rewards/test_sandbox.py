@@ -29,12 +29,31 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 GUARDS = [pytest.param(True, id="guard"), pytest.param(False, id="os-only")]
 
 
+HARNESS_PIDS: list[int] = []  # the harness processes this session's sandbox runs started
+
+
+@pytest.fixture(autouse=True)
+def record_harness_pids(monkeypatch):
+    """Record the pid of every harness the sandbox starts: in root mode its programs run as
+    ``UID_BASE + harness pid``, so those uids are this session's, whatever else runs on the machine
+    (another test session's sandboxes have uids of their own)."""
+    real = subprocess.Popen
+
+    class Recording(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            HARNESS_PIDS.append(self.pid)
+
+    monkeypatch.setattr(subprocess, "Popen", Recording)
+
+
 def live_sandbox_processes() -> list[int]:
-    """Pids of running (not zombie) processes owned by sandbox uids."""
+    """Pids of running (not zombie) processes owned by the sandbox uids of this session's runs."""
+    ours = {UID_BASE + pid for pid in HARNESS_PIDS}
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.stat(f"/proc/{pid}").st_uid < UID_BASE:
+            if os.stat(f"/proc/{pid}").st_uid not in ours:
                 continue
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]
@@ -56,6 +75,7 @@ def run(source: str, *, guard: bool, time_limit_s: float = 1.0, inputs=("",), **
 def assert_unharmed(elapsed: float, bound: float) -> None:
     assert elapsed < bound, f"took {elapsed:.1f}s"
     if ROOT:
+        assert HARNESS_PIDS, "no sandbox harness was recorded: the check below would be vacuous"
         assert live_sandbox_processes() == []
 
 
