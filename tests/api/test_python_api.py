@@ -31,6 +31,23 @@ def test_rl_config_is_the_schema_and_its_sections_are_exported():
         _ = tearless.Nope
 
 
+def test_every_public_name_of_the_api_module_is_served_at_the_top_lazily():
+    """``tearless.X`` for every name of ``tearless.api.__all__`` (and nothing else), without
+    ``import tearless`` importing the API module (a fresh interpreter checks the laziness)."""
+    import subprocess
+    import sys
+
+    from tearless import api
+
+    assert set(tearless._API) == set(api.__all__)
+    for name in api.__all__:
+        assert getattr(tearless, name) is getattr(api, name)
+    assert set(tearless.__all__) == {"__version__", "train", *api.__all__}
+    probe = "import sys, tearless; print('tearless.api' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
+
+
 def test_a_config_object_is_validated_like_the_cli_and_overrides_win():
     bad = tearless.RLConfig(
         data=tearless.DataConfig(train_batch_size=12),
