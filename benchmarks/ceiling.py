@@ -10,10 +10,19 @@ For one case (``--case small|medium``, the models and batches of ``vs_trl.py``):
   tearless if the saved work outweighs its bookkeeping.
 - update: ``Actor.update_policy`` on the rollout against a bare step on the same padded tokens:
   one forward (logits at response positions), the policy-gradient loss
-  :math:`-\\sum_t m_t A_t \\log\\pi(y_t)/\\sum_t m_t`, backward, gradient clip and AdamW.
+  :math:`-\\sum_t m_t A_t \\log\\pi(y_t)/\\sum_t m_t`, backward, gradient clip and AdamW; and
+  ``Actor.update_policy`` with its prompt sharing off and padding removed (``share_prompts=False,
+  remove_padding=True``), which forwards every valid token once and nothing else: the bare step's
+  work less its padding (the fraction on equal work).
 - orchestration: ``RLTrainer.train_step`` over ``--steps`` steps (the first left out), split into
   the trainer's own phase timers; the share outside rollout and update, and outside every model pass
   and the reward scoring.
+
+``--case`` takes ``small``, ``medium`` or a ``diverge-L{length}-H{hidden}-C{completions}`` case of
+``cases.py`` (the TRL grid's points); ``--dtype bfloat16`` runs every pass of both sides under CPU
+autocast (the model marked with ``set_compute_dtype``, the engine's ``compute_dtype``, the bare loops
+inside ``torch.autocast``), float32 weights and AdamW on both; ``--kernels-only`` skips the training
+steps.
 
 With ``--lora-memory``: peak RSS of ``--steps`` medium steps with full fine-tuning (and its second
 model copy for the reference) against LoRA (rank 16, reference = adapters off), each in a fresh
@@ -21,6 +30,7 @@ process; ``--micro`` splits every pass into micro-batches of that many responses
 
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py --case small --repeats 5 --steps 6
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py --case medium --repeats 3 --steps 3
+    OMP_NUM_THREADS=1 python benchmarks/ceiling.py --case diverge-L256-H256-C64 --repeats 3 --kernels-only
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py --lora-memory --steps 2
     OMP_NUM_THREADS=1 python benchmarks/ceiling.py --lora-memory --steps 1 --micro 16
 """
@@ -45,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import Case, load_prompts, make_case
 from vs_trl import tearless_overrides
 
+from tearless.models.precision import autocast, cpu_has_native_bf16, set_compute_dtype
+
 
 @torch.inference_mode()
 def bare_decode(model, ids: torch.Tensor, attn: torch.Tensor, steps: int, generator: torch.Generator) -> int:
@@ -67,15 +79,17 @@ def bare_decode(model, ids: torch.Tensor, attn: torch.Tensor, steps: int, genera
     return ids.shape[0] * steps
 
 
-def bare_update(model, optimizer, td: TensorDict) -> None:
-    """Forward, policy-gradient loss, backward, clip and AdamW on ``td``'s padded tokens."""
+def bare_update(model, optimizer, td: TensorDict, dtype: torch.dtype | None = None) -> None:
+    """Forward, policy-gradient loss, backward, clip and AdamW on ``td``'s padded tokens; the forward
+    under CPU autocast to ``dtype`` (None: float32), the loss on float32 logits."""
     from tearless.algos import logprobs_from_logits
 
     ids = torch.cat([td["prompt_ids"], td["response_ids"]], 1)
     attn = torch.cat([td["prompt_mask"], td["response_mask"]], 1)
     width = td["response_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                   logits_to_keep=width + 1).logits[:, :-1]  # fmt: skip
+    with autocast("cpu", dtype):
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                       logits_to_keep=width + 1).logits[:, :-1].float()  # fmt: skip
     mask = td["response_mask"]
     lp = logprobs_from_logits(logits, td["response_ids"])
     loss = -(lp * td["advantages"] * mask).sum() / mask.sum()
@@ -85,7 +99,7 @@ def bare_update(model, optimizer, td: TensorDict) -> None:
     optimizer.step()
 
 
-def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
+def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = torch.float32) -> dict:
     from tearless.config.schema import ActorConfig
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.hf import HFRollout, left_pad
@@ -93,14 +107,27 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
     from tearless.workers.actor import Actor
 
     tok = load_tokenizer(case.model_dir)
-    model = load_causal_lm(case.model_dir)
+    model = set_compute_dtype(load_causal_lm(case.model_dir), dtype)
     prompts = [r["input_ids"] for r in load_prompts(case, tok)[: case.prompts_per_step]]
-    rollout = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    rollout = HFRollout(
+        model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, compute_dtype=dtype
+    )
     cfg = ActorConfig(ppo_mini_batch_size=case.prompts_per_step)
     cfg.optim.lr = case.lr
     actor = Actor(model, cfg, rollout_n=case.n, temperature=1.0, total_steps=10**6)
+    # Every valid token forwarded once, nothing shared and no padding: the bare step's work less its padding.
+    equal = Actor(
+        model,
+        cfg,
+        rollout_n=case.n,
+        temperature=1.0,
+        total_steps=10**6,
+        share_prompts=False,
+        remove_padding=True,
+    )
     bare_opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01)
-    ours_gen, bare_gen, ours_upd, bare_upd = [], [], [], []
+    ours_gen, bare_gen, ours_upd, bare_upd, equal_upd, padding = [], [], [], [], [], []
+    seconds: dict[str, list[float]] = {"rollout": [], "bare_decode": [], "update": [], "bare_update": []}
     for r in range(repeats + 1):  # the first repeat warms up and is dropped
         gen = torch.Generator().manual_seed(seed + r)
         start = time.perf_counter()
@@ -110,7 +137,8 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
         useful = int(out.response_mask.sum())
         ids, attn = left_pad([p for p in prompts for _ in range(case.n)], tok.pad_token_id)
         start = time.perf_counter()
-        bare_tokens = bare_decode(model, ids, attn, out.response_ids.shape[1], gen)
+        with autocast("cpu", dtype):
+            bare_tokens = bare_decode(model, ids, attn, out.response_ids.shape[1], gen)
         t_bare = time.perf_counter() - start
         mask = out.response_mask
         adv = torch.randn(mask.shape[0], 1, generator=gen).expand_as(mask) * mask
@@ -124,16 +152,25 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
         actor.update_policy(td)
         t_upd = time.perf_counter() - start
         start = time.perf_counter()
-        bare_update(model, bare_opt, td)
+        bare_update(model, bare_opt, td, dtype)
         t_bare_upd = time.perf_counter() - start
+        start = time.perf_counter()
+        equal.update_policy(td)
+        t_equal = time.perf_counter() - start
         if r > 0:
             ours_gen.append(useful / t_ours)
             bare_gen.append(bare_tokens / t_bare)
             ours_upd.append(tokens / t_upd)
             bare_upd.append(tokens / t_bare_upd)
+            equal_upd.append(tokens / t_equal)
+            padding.append(1 - (int(td["prompt_mask"].sum()) + useful) / tokens)
+            for key, t in zip(seconds, (t_ours, t_bare, t_upd, t_bare_upd), strict=True):
+                seconds[key].append(t)
         print(
             f"repeat {r}: rollout {useful / t_ours:.0f} tok/s vs bare {bare_tokens / t_bare:.0f}; "
-            f"update {tokens / t_upd:.0f} tok/s vs bare {tokens / t_bare_upd:.0f}",
+            f"update {tokens / t_upd:.0f} tok/s, without sharing {tokens / t_equal:.0f}, "
+            f"vs bare {tokens / t_bare_upd:.0f} (padded tokens per second; {t_upd:.2f} / {t_equal:.2f} / "
+            f"{t_bare_upd:.2f} s)",
             flush=True,
         )
     med = statistics.median
@@ -144,6 +181,10 @@ def measure_kernels(case: Case, repeats: int, seed: int) -> dict:
         "update_tok_s": med(ours_upd),
         "bare_update_tok_s": med(bare_upd),
         "update_fraction_of_bare": med(o / b for o, b in zip(ours_upd, bare_upd, strict=True)),
+        "update_unshared_tok_s": med(equal_upd),
+        "update_unshared_fraction_of_bare": med(o / b for o, b in zip(equal_upd, bare_upd, strict=True)),
+        "padding_share_of_bare_tokens": med(padding),
+        "median_s": {k: med(v) for k, v in seconds.items()},
     }
 
 
@@ -193,7 +234,11 @@ def measure_steps(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", choices=["small", "medium"], default="small")
+    ap.add_argument("--case", default="small", help="small, medium or diverge-L<length>-H<hidden>-C<n>")
+    ap.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype, both sides"
+    )
+    ap.add_argument("--kernels-only", action="store_true", help="rollout and update only, no training steps")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
@@ -223,11 +268,18 @@ def main() -> None:
             report["full" if rank == 0 else f"lora_r{rank}"] = json.loads(line[len("RESULT ") :])
             print(json.dumps(report, indent=1), flush=True)
         return
-    case = make_case(args.case)
+    try:
+        case = make_case(args.case)
+    except ValueError as e:
+        sys.exit(f"--case: {e}")
+    dtype = getattr(torch, args.dtype)
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        sys.exit("--dtype bfloat16: this CPU has neither AVX-512 BF16 nor AMX; bf16 would be emulated")
     load = os.getloadavg()[0]
-    report = {"case": args.case, "threads": args.threads, "load_before": load}
-    report.update(measure_kernels(case, args.repeats, args.seed))
-    report.update(measure_steps(case, args.steps, args.seed, args.threads))
+    report = {"case": args.case, "dtype": args.dtype, "threads": args.threads, "load_before": load}
+    report.update(measure_kernels(case, args.repeats, args.seed, dtype))
+    if not args.kernels_only:
+        report.update(measure_steps(case, args.steps, args.seed, args.threads))
     report["load_after"] = os.getloadavg()[0]
     print(json.dumps(report, indent=1))
 

@@ -21,6 +21,8 @@ normalised by the group's std, token-mean loss (TRL ``loss_type="dapo"``), clip 
 iteration per generation (on-policy: no old-log-prob pass in either), AdamW (β 0.9/0.999, weight
 decay 0.01), constant lr, gradient-norm clip 1.0, temperature 1, no top-k/top-p, float32, no
 gradient checkpointing; the KL term (medium only) is k3 against the starting model, β = 0.04.
+``--trl-bf16`` runs TRL with ``bf16=True`` (CPU autocast over float32 weights, TRL's default); with
+``--tearless-set actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16`` both compute in bf16.
 """
 
 from __future__ import annotations
@@ -146,7 +148,9 @@ def run_tearless(
     }
 
 
-def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) -> dict:
+def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int, bf16: bool = False) -> dict:
+    """TRL's ``GRPOTrainer`` on ``case``; ``bf16``: its mixed precision on (accelerate's CPU autocast
+    over float32 master weights, TRL's own default), else float32 throughout."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -212,7 +216,7 @@ def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int) 
             num_iterations=1,
             use_vllm=False,
             gradient_checkpointing=False,
-            bf16=False,
+            bf16=bf16,
             fp16=False,
             use_cpu=True,
             max_steps=steps,
@@ -251,11 +255,18 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     case = make_case(args.case)
     common = (case, args.steps, args.seed, args.threads, args.eval_prompts)
-    result = run_tearless(*common, args.tearless_set) if args.worker == "tearless" else run_trl(*common)
+    if args.worker == "tearless":
+        result = run_tearless(*common, args.tearless_set)
+    else:
+        result = run_trl(*common, bf16=args.trl_bf16)
     print("RESULT " + json.dumps(result), flush=True)
 
 
 SET_HELP = "an extra tearless override (repeatable): a lever against the same TRL runs"
+TRL_BF16_HELP = (
+    "TRL with bf16=True (its own default: CPU autocast over float32 weights) instead of float32; pair with "
+    "--tearless-set actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16 for equal precision"
+)
 
 
 def load_average() -> float:
@@ -270,15 +281,18 @@ def run_fresh(
     seed: int,
     eval_prompts: int,
     tearless_set: Sequence[str] = (),
+    trl_bf16: bool = False,
 ) -> dict:
     """One run of framework ``name`` ("tearless" or "trl") on ``case`` in a fresh process, with the
     1-minute load average before and after it and the process's wall time; ``tearless_set``: extra
-    ``key=value`` overrides for tearless (a lever to compare, e.g. ``…model.use_remove_padding=true``)."""
+    ``key=value`` overrides for tearless (a lever to compare, e.g. ``…model.use_remove_padding=true``);
+    ``trl_bf16``: TRL with ``bf16=True``."""
     load, start = load_average(), time.perf_counter()
     cmd = [sys.executable, __file__, "--worker", name, "--case", case]
     cmd += ["--steps", str(steps), "--threads", str(threads), "--seed", str(seed)]
     cmd += ["--eval-prompts", str(eval_prompts)]
     cmd += [f"--tearless-set={kv}" for kv in tearless_set if name == "tearless"]
+    cmd += ["--trl-bf16"] if trl_bf16 and name == "trl" else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -302,6 +316,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--eval-prompts", type=int, default=100)
     ap.add_argument("--tearless-set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    ap.add_argument("--trl-bf16", action="store_true", help=TRL_BF16_HELP)
     ap.add_argument("--worker", choices=["tearless", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -312,7 +327,14 @@ def main() -> None:
     for r in range(args.rounds):
         for name in ("tearless", "trl"):
             result = run_fresh(
-                name, args.case, args.steps, args.threads, args.seed, args.eval_prompts, args.tearless_set
+                name,
+                args.case,
+                args.steps,
+                args.threads,
+                args.seed,
+                args.eval_prompts,
+                args.tearless_set,
+                args.trl_bf16,
             )
             load = result["load_before"]
             runs[name].append(result)
@@ -333,6 +355,7 @@ def main() -> None:
     report = {
         "case": args.case,
         "tearless_set": args.tearless_set,
+        "trl_bf16": args.trl_bf16,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"torch {torch.__version__}, {args.threads} thread(s)",
         "median_s_per_step": med,

@@ -26,7 +26,9 @@ Steps per run: by default one warm-up step plus as many timed steps as fit in ~1
 estimated TRL step time (1 to 5); ``--steps`` sets one count for every point. ``--tearless-set
 KEY=VALUE`` (repeatable) adds tearless overrides, to measure a lever (e.g.
 ``actor_rollout_ref.model.use_remove_padding=true``) against the same TRL runs; the JSON records
-them. Before it starts the script prints its runtime estimate for an idle machine (see
+them. ``--trl-bf16`` runs TRL with ``bf16=True`` (pair it with tearless's
+``actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16`` for equal precision). Before it
+starts the script prints its runtime estimate for an idle machine (see
 :func:`estimate_s`); the times are meaningful only on an idle machine (BENCHMARKS.md, "Machine and
 load").
 """
@@ -44,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import DIVERGE_LAYERS, DIVERGE_NAME, DIVERGE_VOCAB, diverge_name, make_case
-from vs_trl import SET_HELP, run_fresh
+from vs_trl import SET_HELP, TRL_BF16_HELP, run_fresh
 
 AXES: dict[str, list[tuple[int, int, int]]] = {  # (response length, hidden size, completions per step)
     "length": [(16, 256, 64), (64, 256, 64), (256, 256, 64)],
@@ -178,6 +180,7 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=0, help="held-out prompts for greedy accuracy")
     ap.add_argument("--out", default="vs_trl_axes.json", help="where the JSON report goes")
     ap.add_argument("--tearless-set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
+    ap.add_argument("--trl-bf16", action="store_true", help=TRL_BF16_HELP)
     args = ap.parse_args()
     if args.smoke:
         args.steps, args.rounds = 2, 1
@@ -207,7 +210,14 @@ def main() -> None:
             for name in order:
                 case = diverge_name(*p)
                 result = run_fresh(
-                    name, case, steps[p], args.threads, args.seed, args.eval_prompts, args.tearless_set
+                    name,
+                    case,
+                    steps[p],
+                    args.threads,
+                    args.seed,
+                    args.eval_prompts,
+                    args.tearless_set,
+                    args.trl_bf16,
                 )
                 runs[label(p)][name].append(result)
                 print(
@@ -225,7 +235,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"{args.threads} thread(s)",
         "settings": {"rounds": args.rounds, "steps": {label(p): n for p, n in steps.items()},
-                     "tearless_set": args.tearless_set,
+                     "tearless_set": args.tearless_set, "trl_bf16": args.trl_bf16,
                      "seed": args.seed, "smoke": args.smoke, "estimated_s": estimate_s(steps, args.rounds)},
         "wall_s": time.perf_counter() - started,
         "summary": summary,
