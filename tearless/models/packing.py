@@ -144,6 +144,14 @@ def _emulation_ok(config) -> bool:
     return not window and getattr(config, "attn_logit_softcapping", None) is None
 
 
+def use_tearless_attention(model: torch.nn.Module) -> None:
+    """Switch an ``sdpa`` model with plain causal attention to :func:`packed_sdpa` (packed rows and
+    decode steps; every other forward unchanged); other models are left alone."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and _emulation_ok(config):
+        use_packed_sdpa(model)
+
+
 def use_packed_sdpa(model: torch.nn.Module) -> None:
     """Register :func:`packed_sdpa` with transformers and switch ``model`` (an ``sdpa`` model) to it."""
     from transformers import AttentionInterface
@@ -163,16 +171,21 @@ def use_packed_sdpa(model: torch.nn.Module) -> None:
 
 
 def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of a packed row (1, heads, T, d) given ``cu_seq_lens_q``: per-sequence causal SDPA.
+    """tearless's attention for ``sdpa`` models: packed rows, decode steps, else transformers' sdpa.
+
+    Attention of a packed row (1, heads, T, d) given ``cu_seq_lens_q``: per-sequence causal SDPA.
 
     The T tokens are scattered into (n, heads, L, d), L = the longest sequence, each sequence from
     column 0 (right padding, so the causal mask alone keeps every real query off the padding), run
     through ``scaled_dot_product_attention(is_causal=True)`` and gathered back, (1, T, heads, d).
-    Without ``cu_seq_lens_q`` (an unpacked forward) this is transformers' ``sdpa``.
+    One query per row without autograd (a decode step of the rollout engine):
+    :func:`decode_attention`. Any other forward is transformers' ``sdpa``.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
+    if cu is None and query.shape[2] == 1 and not module.training and not torch.is_grad_enabled():
+        return decode_attention(query, key, value, attention_mask, scaling), None
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -196,3 +209,38 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     )
     out = out.transpose(0, 1).reshape(query.shape[1], n * longest, query.shape[3]).index_select(1, dest)
     return out.transpose(0, 1)[None].contiguous(), None
+
+
+def decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    r"""One decode step's attention in float32 (float64 for a float64 model): (B, heads, 1, d)
+    queries against (B, kv heads, T, d) cached keys and values; returns (B, 1, heads, d) in the
+    query's dtype.
+
+    :math:`o = \mathrm{softmax}(s \, q K^\top + m) V` with :math:`s` = ``scaling`` (default
+    :math:`d^{-1/2}`) and :math:`m` the mask (boolean: True attends; or additive), as two batched
+    matmuls and a softmax, autocast off. Grouped-query attention multiplies each KV head's keys by
+    its group of query heads at once (no repeated keys). Measured on this project's CPU (one
+    thread, one query against 79–270 cached positions, BENCHMARKS.md "Decode attention"): 1.2–1.6×
+    faster than ``scaled_dot_product_attention`` over the same float32 cache, and 3–4× faster than it
+    over a bf16 cache (autocast); equal to it to float32 rounding.
+    """
+    rows, heads, _, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    work = torch.promote_types(query.dtype, torch.float32)  # float32, or float64 for a float64 model
+    with torch.autocast(query.device.type, enabled=False):
+        q = query.to(work).reshape(rows, kv_heads, heads // kv_heads, dim)
+        scores = torch.matmul(q, key.to(work).transpose(-1, -2)) * (dim**-0.5 if scaling is None else scaling)
+        if attention_mask is not None:
+            mask = attention_mask[..., :length]
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            else:
+                scores = scores + mask.to(work)
+        out = torch.matmul(torch.softmax(scores, dim=-1), value.to(work))
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2).to(query.dtype).contiguous()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tearless.models.compat import cache_kwargs
+from tearless.models.packing import use_tearless_attention
 from tearless.models.precision import autocast
 from tearless.rollout.decode_step import filter_logits, sample_step
 from tearless.rollout.seeds import sample_keys, uniforms
@@ -88,6 +89,7 @@ class HFRollout:
         compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
+        use_tearless_attention(model)  # decode steps in float32 matmul attention (packing.decode_attention)
         # bf16: the decode loop's forwards run under CPU autocast (tearless.models.precision); the
         # sampling distribution is computed from logits upcast to float32.
         self.compute_dtype = compute_dtype
@@ -305,14 +307,14 @@ BUFFERED_CACHE_MIN_POSITIONS = 64
 
 def decode_cache(config, capacity: int):
     """A ``DynamicCache`` for ``config``; when ``capacity`` (prompt + new tokens) reaches
-    :data:`BUFFERED_CACHE_MIN_POSITIONS`, its full-attention layers keep keys and values in buffers
-    of ``capacity`` positions, so that appending a token writes in place: the stock layer
+    :data:`BUFFERED_CACHE_MIN_POSITIONS`, its full-attention layers keep keys and values in float32
+    buffers of ``capacity`` positions, so that appending a token writes in place: the stock layer
     concatenates, copying the whole cache at every step (quadratic in the response length).
 
     Measured on the benchmark cases (one thread, median of paired runs): 79 positions, the medium
     case's rollout 6.89 → 6.06 s (1.14× faster); 25 positions, the small case's 0.159 → 0.169 s
-    (4.5% slower: attention reads the buffer views more slowly than fresh contiguous tensors, and at
-    that length the copies cost less than that).
+    (4.5% slower: at that length the copies cost less than attention over buffer views).
+    The decode steps over these buffers run :func:`tearless.models.packing.decode_attention`.
     """
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -330,10 +332,15 @@ def _buffered_layer_class() -> type:
     from transformers.cache_utils import DynamicLayer
 
     class BufferedLayer(DynamicLayer):
-        """A ``DynamicLayer`` over preallocated (B, capacity, H, D) buffers: ``keys``/``values`` are
-        (B, H, length, D) views of their first ``length`` positions. That layout keeps each row's keys
-        one contiguous block, which is what CPU attention kernels read fastest (a (B, H, capacity, D)
-        buffer made the attention ~1.7× slower on the small benchmark case)."""
+        """A ``DynamicLayer`` over preallocated (B, H, capacity, D) float32 buffers: ``keys``/``values``
+        are (B, H, length, D) views of their first ``length`` positions, each (row, head)'s keys one
+        contiguous block, which is what the decode step's batched matmuls read fastest.
+
+        Keys and values computed in bf16 (CPU autocast) are stored in float32: on CPU, attention over
+        a bf16 cache measured 2.3–4.6× slower than over a float32 one (no fast bf16 kernel for one
+        query against a long cache; BENCHMARKS.md, "Decode attention"), and the cache costs no
+        rounding beyond the projections' own.
+        """
 
         def __init__(self, capacity: int) -> None:
             super().__init__()
@@ -342,25 +349,27 @@ def _buffered_layer_class() -> type:
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
-                self.dtype, self.device = key_states.dtype, key_states.device
+                reduced = key_states.dtype in (torch.bfloat16, torch.float16)
+                dtype = torch.float32 if reduced else key_states.dtype
+                self.dtype, self.device = dtype, key_states.device
                 rows, heads, _, dim = key_states.shape
-                self.key_buffer = key_states.new_empty((rows, self.capacity, heads, dim))
+                self.key_buffer = key_states.new_empty((rows, heads, self.capacity, dim), dtype=dtype)
                 self.value_buffer = value_states.new_empty(
-                    (rows, self.capacity, heads, value_states.shape[-1])
+                    (rows, heads, self.capacity, value_states.shape[-1]), dtype=dtype
                 )
                 self.is_initialized = True
             end = self.length + key_states.shape[-2]
             if end > self.capacity:
                 raise ValueError(f"the decode cache holds {self.capacity} positions, not {end}")
-            self.key_buffer[:, self.length : end] = key_states.transpose(1, 2)
-            self.value_buffer[:, self.length : end] = value_states.transpose(1, 2)
+            self.key_buffer[:, :, self.length : end] = key_states
+            self.value_buffer[:, :, self.length : end] = value_states
             self.length = end
             self._views()
             return self.keys, self.values
 
         def _views(self) -> None:
-            self.keys = self.key_buffer[:, : self.length].transpose(1, 2)
-            self.values = self.value_buffer[:, : self.length].transpose(1, 2)
+            self.keys = self.key_buffer[:, :, : self.length]
+            self.values = self.value_buffer[:, :, : self.length]
 
         def get_seq_length(self) -> int:
             return self.length
@@ -369,7 +378,7 @@ def _buffered_layer_class() -> type:
             for name in ("key_buffer", "value_buffer"):
                 old = getattr(self, name)
                 new = old.new_empty((len(rows), *old.shape[1:]))
-                new[:, : self.length] = old[rows, : self.length]
+                new[:, :, : self.length] = old[rows, :, : self.length]
                 setattr(self, name, new)
             self._views()
 

@@ -250,3 +250,66 @@ def test_fused_kernels_give_the_log_probs_entropies_and_gradients_of_the_full_lo
     terms = gradient_terms(model.config, int(mask.sum()))
     for a, b in zip(full_grads, fused_grads, strict=True):
         torch.testing.assert_close(b, a, atol=sum_tol(terms, float(a.abs().max()), safety=2), rtol=0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decode_attention_is_sdpa_over_the_cache_with_grouped_heads_and_both_mask_kinds(kv_heads):
+    # One query per row against a cache of 37 positions, rows left-padded by 0-5 positions.
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from tearless.models.packing import decode_attention
+    from tests.tolerances import sum_tol
+
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, length, dim = 5, 4, 37, 16
+    q = torch.randn(rows, heads, 1, dim, generator=gen)
+    k = torch.randn(rows, kv_heads, length, dim, generator=gen)
+    v = torch.randn(rows, kv_heads, length, dim, generator=gen)
+    attend = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    for r in range(rows):
+        attend[r, ..., :r] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, repeat_kv(k, heads // kv_heads), repeat_kv(v, heads // kv_heads), attn_mask=attend
+    ).transpose(1, 2)
+    additive = torch.zeros(attend.shape).masked_fill(~attend, float("-inf"))
+    # Scores q·k of |q_i k_i| ≲ 16 terms; softmax-weighted sums of |v| ≲ 4 over 37 positions.
+    tol = sum_tol(dim, 16.0) + sum_tol(length, 4.0)
+    for mask in (attend, additive):
+        out = decode_attention(q, k, v, mask)
+        assert out.shape == (rows, 1, heads, dim)
+        torch.testing.assert_close(out, ref, atol=tol, rtol=0)
+    # Masked positions get no weight: changing their values changes nothing, bit for bit.
+    v2 = v.clone()
+    v2[1, :, 0] = 1e6  # row 1's first position is padding
+    assert torch.equal(decode_attention(q, k, v2, attend)[1], decode_attention(q, k, v, attend)[1])
+    # A bf16 query (autocast) is computed in float32 (the same kernels on the same numbers as for its
+    # float32 copy) and rounded to bf16 once at the end.
+    out = decode_attention(q.bfloat16(), k, v, attend)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, decode_attention(q.bfloat16().float(), k, v, attend).bfloat16())
+
+
+def test_a_rollout_model_decodes_through_decode_attention_as_sdpa_would():
+    # The engine switches an sdpa model to tearless's attention; its decode steps then run
+    # decode_attention, and sample the tokens transformers' own sdpa samples (log-probs to rounding).
+    from unittest import mock
+
+    from tearless.models import packing
+    from tearless.rollout.hf import HFRollout
+    from tests.tolerances import logprob_tol
+
+    model = tiny("sdpa")
+    reference = copy.deepcopy(model)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    engine = HFRollout(model, eos_token_ids=[1], pad_token_id=0)
+    assert model.config._attn_implementation == PACKED_SDPA
+    with mock.patch.object(packing, "decode_attention", wraps=packing.decode_attention) as spy:
+        out = engine.generate(prompts, n=2, max_new_tokens=70, keys=[1, 2, 3])  # 70: the buffered cache
+    assert spy.call_count >= model.config.num_hidden_layers * 60
+    plain = HFRollout(reference, eos_token_ids=[1], pad_token_id=0)
+    reference.config._attn_implementation = "sdpa"  # undo the switch: transformers' sdpa throughout
+    with mock.patch.object(packing, "decode_attention", side_effect=AssertionError("not sdpa")):
+        ref = plain.generate(prompts, n=2, max_new_tokens=70, keys=[1, 2, 3])
+    assert torch.equal(out.response_ids, ref.response_ids)
+    tol = logprob_tol(model.config)
+    torch.testing.assert_close(out.log_probs, ref.log_probs, atol=tol, rtol=0)
