@@ -226,9 +226,9 @@ def decode_attention(
     :math:`d^{-1/2}`) and :math:`m` the mask (boolean: True attends; or additive), as two batched
     matmuls and a softmax, autocast off. Grouped-query attention multiplies each KV head's keys by
     its group of query heads at once (no repeated keys). Measured on this project's CPU (one
-    thread, one query against 79–270 cached positions, BENCHMARKS.md "Decode attention"): 1.2–1.6×
-    faster than ``scaled_dot_product_attention`` over the same float32 cache, and 3–4× faster than it
-    over a bf16 cache (autocast); equal to it to float32 rounding.
+    thread, 64–256 rows against 79–270 cached positions, BENCHMARKS.md "Decode attention"):
+    1.0–1.7× the speed of ``scaled_dot_product_attention`` over the engine's former (B, capacity,
+    H, D) float32 buffers, 2.4–5× over a bf16 cache (autocast); equal to it to float32 rounding.
     """
     rows, heads, _, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]

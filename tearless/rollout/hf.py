@@ -337,7 +337,7 @@ def _buffered_layer_class() -> type:
         contiguous block, which is what the decode step's batched matmuls read fastest.
 
         Keys and values computed in bf16 (CPU autocast) are stored in float32: on CPU, attention over
-        a bf16 cache measured 2.3–4.6× slower than over a float32 one (no fast bf16 kernel for one
+        a bf16 cache measured 2.4–5× slower than over a float32 one (no fast bf16 kernel for one
         query against a long cache; BENCHMARKS.md, "Decode attention"), and the cache costs no
         rounding beyond the projections' own.
         """
