@@ -178,13 +178,14 @@ def packed_sdpa(module, query, key, value, attention_mask, scaling=None, dropout
     The T tokens are scattered into (n, heads, L, d), L = the longest sequence, each sequence from
     column 0 (right padding, so the causal mask alone keeps every real query off the padding), run
     through ``scaled_dot_product_attention(is_causal=True)`` and gathered back, (1, T, heads, d).
-    One query per row without autograd (a decode step of the rollout engine):
+    One query per row without autograd on CPU (a decode step of the rollout engine):
     :func:`decode_attention`. Any other forward is transformers' ``sdpa``.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None and query.shape[2] == 1 and not module.training and not torch.is_grad_enabled():
+    decoding = query.shape[2] == 1 and not module.training and not torch.is_grad_enabled()
+    if cu is None and decoding and query.device.type == "cpu":  # GPU SDPA kernels are fast in bf16
         return decode_attention(query, key, value, attention_mask, scaling), None
     if cu is None or query.shape[0] != 1:
         return sdpa_attention_forward(

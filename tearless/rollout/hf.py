@@ -307,14 +307,14 @@ BUFFERED_CACHE_MIN_POSITIONS = 64
 
 def decode_cache(config, capacity: int):
     """A ``DynamicCache`` for ``config``; when ``capacity`` (prompt + new tokens) reaches
-    :data:`BUFFERED_CACHE_MIN_POSITIONS`, its full-attention layers keep keys and values in float32
-    buffers of ``capacity`` positions, so that appending a token writes in place: the stock layer
+    :data:`BUFFERED_CACHE_MIN_POSITIONS`, its full-attention layers keep keys and values in buffers
+    of ``capacity`` positions (float32 on CPU), so that appending a token writes in place: the stock layer
     concatenates, copying the whole cache at every step (quadratic in the response length).
 
     Measured on the benchmark cases (one thread, median of paired runs): 79 positions, the medium
     case's rollout 6.89 → 6.06 s (1.14× faster); 25 positions, the small case's 0.159 → 0.169 s
     (4.5% slower: at that length the copies cost less than attention over buffer views).
-    The decode steps over these buffers run :func:`tearless.models.packing.decode_attention`.
+    On CPU the decode steps over these buffers run :func:`tearless.models.packing.decode_attention`.
     """
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
@@ -332,11 +332,11 @@ def _buffered_layer_class() -> type:
     from transformers.cache_utils import DynamicLayer
 
     class BufferedLayer(DynamicLayer):
-        """A ``DynamicLayer`` over preallocated (B, H, capacity, D) float32 buffers: ``keys``/``values``
-        are (B, H, length, D) views of their first ``length`` positions, each (row, head)'s keys one
+        """A ``DynamicLayer`` over preallocated (B, H, capacity, D) buffers: ``keys``/``values`` are
+        (B, H, length, D) views of their first ``length`` positions, each (row, head)'s keys one
         contiguous block, which is what the decode step's batched matmuls read fastest.
 
-        Keys and values computed in bf16 (CPU autocast) are stored in float32: on CPU, attention over
+        Keys and values computed in bf16 on CPU (autocast) are stored in float32: attention over
         a bf16 cache measured 2.4–5× slower than over a float32 one (no fast bf16 kernel for one
         query against a long cache; BENCHMARKS.md, "Decode attention"), and the cache costs no
         rounding beyond the projections' own.
@@ -350,7 +350,8 @@ def _buffered_layer_class() -> type:
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 reduced = key_states.dtype in (torch.bfloat16, torch.float16)
-                dtype = torch.float32 if reduced else key_states.dtype
+                on_cpu = key_states.device.type == "cpu"
+                dtype = torch.float32 if reduced and on_cpu else key_states.dtype
                 self.dtype, self.device = dtype, key_states.device
                 rows, heads, _, dim = key_states.shape
                 self.key_buffer = key_states.new_empty((rows, heads, self.capacity, dim), dtype=dtype)
