@@ -93,9 +93,13 @@ for pid in os.listdir("/proc"):
         continue
     for arg in args:
         if arg.startswith(b"data.train_files="):
-            path = arg.split(b"=", 1)[1].decode()
-            print(open(path).read().split("expected=")[1].split()[0])
-            raise SystemExit
+            try:
+                text = open(arg.split(b"=", 1)[1].decode()).read()
+            except (OSError, ValueError):
+                continue  # another trainer on the machine, its file gone or not text
+            if "expected=" in text:
+                print(text.split("expected=")[1].split()[0])
+                raise SystemExit
 ```
 """
 
@@ -103,7 +107,9 @@ for pid in os.listdir("/proc"):
 @pytest.mark.parametrize("mode", ["full", "weak"])
 def test_a_program_that_forges_its_output_from_the_data_file_scores_0(tmp_path, monkeypatch, mode):
     # The trainer's command line names its data file, which holds the expected output; a program
-    # that solves nothing but reads it scored 1.0 on main. The weak mode is the control.
+    # that solves nothing but reads it scored 1.0 on main. The weak mode is the control: there the
+    # forger sees every process on the machine, so it skips other trainers' files (a parallel test
+    # session's, deleted or not of this form), which made the control fail beside a second CI run.
     data = tmp_path / "train.txt"
     data.write_text("input=6 expected=720\n")
     trainer = subprocess.Popen(
