@@ -6,7 +6,7 @@ T cached positions (hidden = heads × 64), float32 and bf16 caches, medians of 3
 
 ``python benchmarks/decode_attention.py ab --old-sampler /tmp/hf_old.py --case diverge-L256-H256-C64
 [--dtype bfloat16] [--pairs 4]``: whole rollouts of the case's first prompts (its n samples each, up
-to its length cap), an older ``tearless/rollout/hf.py`` (e.g. ``git show 8b2c1f0:tearless/rollout/hf.py
+to its length cap), an older ``tearless/rollout/hf.py`` (e.g. ``git show 721bcd9:tearless/rollout/hf.py
 > /tmp/hf_old.py``, transformers' sdpa and (B, capacity, H, D) buffers) on one copy of the model
 against the current engine on another, alternated in one process; the median of the per-pair
 ratios and the median seconds, and whether both drew the same tokens.
