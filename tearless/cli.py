@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     explained = (
         DataError, CheckpointError, TrainingStopped, FileNotFoundError, FileExistsError, RunLocked,
-        ResumeMismatch, WeightsNotFinite, RewardError, RewardFunctionError, UnknownDataSource,
+        ResumeMismatch, WeightsNotFinite, RewardError, RewardFunctionError, UnknownDataSource, ConfigError,
     )  # fmt: skip
     try:
         summary = trainer.train()

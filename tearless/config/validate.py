@@ -446,6 +446,14 @@ def _validate_placement(cfg: Config) -> None:
     ]:
         if fsdp.param_dtype is not None:
             _one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
+        if fsdp.param_dtype in ("float16", "fp16") and not key.startswith("actor_rollout_ref.ref."):
+            _fail(
+                key,
+                "float16 training needs a dynamic loss scaler (its gradients underflow below 6e-8), "
+                "which tearless does not run",
+                "Use bfloat16 (float32's range, the same tensor-core speed on GPUs that have it) or float32; "
+                "the forward-only reference may keep float16.",
+            )
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is is not None:
         _one_of("algorithm.rollout_correction.rollout_is", rc.rollout_is, ("token", "sequence"))

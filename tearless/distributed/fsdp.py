@@ -77,17 +77,45 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return total
 
 
+def process_group_backend(device_type: str) -> str:
+    """The backend of the training ranks' default process group on ``device_type``.
+
+    On GPU the group carries NCCL for CUDA tensors *and* gloo for CPU tensors
+    (``"cpu:gloo,cuda:nccl"``, as veRL does): the ranks also agree on CPU flags (a finite-gradient
+    vote, :func:`tearless.workers.schedule.all_ranks_agree`) and broadcast CPU-resident buffers of
+    offloaded models, and an NCCL-only group refuses any CPU tensor ("No backend type associated
+    with device type cpu"). On CPU: gloo.
+    """
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+
+
+def optimizer_state_moves(device_type: str, *, param_offload: bool, optimizer_offload: bool) -> bool:
+    """Whether the optimizer state visits ``device_type`` only for each update (and lives in CPU
+    memory between updates): ``optimizer_offload`` on a GPU whose parameters stay on it. With
+    ``param_offload`` the sharded parameters live in CPU memory, AdamW steps there, and its state
+    must stay there too (moving it to the GPU would mix devices in the step); on CPU nothing moves.
+    """
+    return device_type == "cuda" and optimizer_offload and not param_offload
+
+
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
     """Move every tensor of the optimizer's state (Adam moments, step) to ``device``.
 
     With ``fsdp_config.optimizer_offload`` the state lives in CPU memory between updates and visits
-    the accelerator only for the optimizer step; on a CPU run both devices are the CPU and nothing
-    moves.
+    the accelerator only for the optimizer step (:func:`optimizer_state_moves`). The copies are
+    issued without waiting, then awaited once: a device-to-host copy is asynchronous, and state read
+    (or saved) before it lands would hold half-copied moments.
     """
+    target = torch.device(device)
+    sources = set()
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != torch.device(device):
-                state[key] = value.to(device, non_blocking=True)
+            if isinstance(value, torch.Tensor) and value.device != target:
+                sources.add(value.device)
+                state[key] = value.to(target, non_blocking=True)
+    for source in sources | {target}:
+        if source.type == "cuda":
+            torch.cuda.synchronize(source)
 
 
 def shard_from_rank0(

@@ -84,7 +84,9 @@ class Pool:
         self.name, self.world, self.timeout_s = name, world, timeout_s
         self.handles: list[Any] = []
         self.groups: list[Any] = []
-        gpu = spec.device == "cuda"
+        # trainer.device=auto asks for GPUs when the cluster has them; each rank then resolves
+        # auto in its own process (a CPU-only head node decides nothing for its workers).
+        gpu = spec.device == "cuda" or (spec.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
         cpus = spec.cfg.trainer.num_cpus_per_worker
         per_node = -(-world // nodes)
         bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
@@ -238,6 +240,7 @@ class RayWorkers(WorkerGroup):
                 run_dir.mkdir(parents=True, exist_ok=True)
                 for name, pool in self.pools.items():
                     (run_dir / f"workers_{name}.json").write_text(json.dumps(pool.workers, indent=1))
+            self.device = next(iter(self.pools.values())).workers[0]["device"]
             self._setup(split)
         except BaseException:
             self.close()

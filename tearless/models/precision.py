@@ -1,11 +1,13 @@
-"""Mixed precision on CPU: bf16 compute under ``torch.autocast``, float32 everything else.
+"""Mixed precision: bf16 compute under ``torch.autocast`` (or FSDP2's policy), float32 everything else.
 
 ``fsdp_config.param_dtype`` (veRL's ``fsdp_config.mixed_precision.param_dtype``) is the dtype the
-matmuls of a role's forward and backward run in. On GPU, FSDP2's ``MixedPrecisionPolicy`` applies it
-(Ray placement). On CPU, a role whose ``param_dtype`` is ``bfloat16`` runs its forwards under
-``torch.autocast("cpu", dtype=torch.bfloat16)``: linear layers, matmuls and SDPA cast their inputs to
-bf16 (products rounded to 8 significant bits, unit roundoff u = 2⁻⁸, accumulated in float32 inside
-the kernel); everything else stays float32:
+matmuls of a role's forward and backward run in; unset, it is bfloat16 on GPU and float32 on CPU.
+Sharded GPU models (Ray placement, world > 1) get it from FSDP2's ``MixedPrecisionPolicy``; a model
+of one GPU process runs under ``torch.autocast("cuda", dtype=torch.bfloat16)``, and TF32 is on for
+what stays float32 (:func:`configure_cuda`). On CPU, a role whose ``param_dtype`` is ``bfloat16``
+runs its forwards under ``torch.autocast("cpu", dtype=torch.bfloat16)``: linear layers, matmuls and
+SDPA cast their inputs to bf16 (products rounded to 8 significant bits, unit roundoff u = 2⁻⁸,
+accumulated in float32 inside the kernel); everything else stays float32:
 
 - the parameters (master weights) and AdamW's moments are float32, and so are the gradients
   (autocast's casts are differentiable: the bf16 gradient of a cast weight flows back into the float32
@@ -85,6 +87,15 @@ def compute_dtype(
     return torch.float32
 
 
+def configure_cuda() -> None:
+    """Process-wide GPU settings: float32 matmuls may use TF32 tensor cores
+    (``torch.set_float32_matmul_precision("high")``: 10 explicit mantissa bits in the products,
+    float32 accumulation, relative error ~2⁻¹¹ per product; what veRL and TRL run with). It touches
+    the float32 parts of a mixed-precision step (the LM head's log-softmax inputs stay float32
+    tensors; only matmuls that are float32 end to end, e.g. a float32 critic, take the TF32 path)."""
+    torch.set_float32_matmul_precision("high")
+
+
 def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """Mark ``model`` to compute in ``dtype`` (read by :func:`autocast_for`); returns ``model``."""
     model.tearless_compute_dtype = dtype
@@ -92,11 +103,13 @@ def set_compute_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
 
 
 def autocast(device: str | torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` on CPU for a reduced ``dtype``; a no-op for float32/None or another device
-    (GPU mixed precision is FSDP2's)."""
-    if dtype is None or dtype == torch.float32 or torch.device(device).type != "cpu":
+    """``torch.autocast`` on CPU or GPU for a reduced ``dtype``; a no-op for float32/None or another
+    device. Sharded GPU models are not marked (:func:`set_compute_dtype`): FSDP2's mixed-precision
+    policy casts their parameters instead."""
+    kind = torch.device(device).type
+    if dtype is None or dtype == torch.float32 or kind not in ("cpu", "cuda"):
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=dtype)
+    return torch.autocast(kind, dtype=dtype)
 
 
 @contextlib.contextmanager

@@ -143,14 +143,13 @@ class RLTrainer:
         self.start_step, resume_dir = self._find_resume()
         roles = ("actor",) + (("ref",) if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else ())
         roles += ("critic",) if critic_enabled(cfg) else ()
-        device = "cuda" if t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available()) else "cpu"
         spec = RankSpec(
             cfg,
             roles=roles,
             rollout=True,
             model_path=str(model_path),
             total_steps=self.total_steps,
-            device=device,
+            device=t.device,  # auto: each rank decides in its own process
             resume_dir=None if resume_dir is None else str(resume_dir),
             reward_fn=reward_fn,
             tool_config=tools,
@@ -158,7 +157,7 @@ class RLTrainer:
         self.workers = make_workers(spec, self.tokenizer.pad_token_id, run_dir=self.run_dir)
         # The hybrid built-in engine sampling in another precision than the trainer's π_old forward
         # (rollout.dtype vs actor param_dtype): π_old is recomputed so rollout_corr/* shows the mismatch.
-        self.precision_mismatch = precision_mismatch(cfg, device)
+        self.precision_mismatch = precision_mismatch(cfg, self.workers.device)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon

@@ -73,9 +73,10 @@ class ModelBuilder:
 
     def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0;
-        on CPU, marked to compute in ``role``'s ``param_dtype`` (autocast) when that is bfloat16."""
+        marked to compute in ``role``'s ``param_dtype`` under autocast when that is a reduced dtype, on
+        CPU and on one GPU (sharded GPU models compute in it through FSDP2's mixed precision)."""
         model = self._shard(build, role)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" or self.world == 1:
             dtype = compute_dtype(self.fsdp(role).param_dtype, self.device, role_key(role))
             if dtype != torch.float32:
                 set_compute_dtype(model, dtype)

@@ -69,6 +69,7 @@ class WorkerGroup:
 
     cfg: Config
     pad_token_id: int
+    device: str  # where the training ranks compute: trainer.device as the ranks resolved it
 
     # ------------------------------------------------------------------ how calls reach the ranks
     def world_of(self, pool: str) -> int:
@@ -288,6 +289,7 @@ class LocalWorkers(WorkerGroup):
         self.rank = Rank(0, 1, spec)
         try:
             self.rank.setup()
+            self.device = self.rank.device.type
             if self.rank.separate_engine:
                 self.rank.sync_engine()
         except BaseException:

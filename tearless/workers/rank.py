@@ -21,6 +21,7 @@ weights; on GPU, forward and backward run in ``fsdp_config.param_dtype`` (bf16 b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import socket
@@ -36,7 +37,9 @@ from tensordict import TensorDict
 
 from tearless.config.derived import loss_scale_factor
 from tearless.cpu import configure_cpu
+from tearless.distributed.fsdp import move_optimizer_state, optimizer_state_moves, process_group_backend
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tearless.models.precision import configure_cuda
 from tearless.models.value import response_values
 from tearless.models.weights import hf_weights, save_model
 from tearless.trainers.metrics import Timer
@@ -46,7 +49,7 @@ from tearless.workers.critic import Critic, critic_settings, update_settings
 from tearless.workers.optim_state import load_optimizer, save_optimizer
 from tearless.workers.schedule import attention_mask, micro_batches, pad_micro_batches, run_plan
 from tearless.workers.scoring import score_responses
-from tearless.workers.spec import RankSpec
+from tearless.workers.spec import RankSpec, resolve_device
 
 ROLES = ("actor", "ref", "critic")
 TRAINED = ("actor", "critic")
@@ -72,8 +75,14 @@ class Rank:
 
     # ------------------------------------------------------------------ where and how it starts
     def info(self) -> dict[str, Any]:
-        """Where this rank runs: its process id and host (for error messages and kill tests)."""
-        return {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname()}
+        """Where this rank runs: its process id, host (for error messages and kill tests) and the
+        device it trains on (``trainer.device`` resolved in this process)."""
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "device": resolve_device(self.spec.device),
+        }
 
     def address(self) -> str:
         """A free TCP address for a rendezvous, on this node's routable IP (Ray's view of the node)."""
@@ -96,7 +105,11 @@ class Rank:
         configure_cpu(t.num_threads, t.keep_freed_memory)
         torch.manual_seed(t.seed)
         random.seed(t.seed)
+        # trainer.device=auto is decided here, in the rank's own process, not by the driver.
+        spec = self.spec = dataclasses.replace(spec, device=resolve_device(spec.device))
         self.device = torch.device(spec.device)
+        if self.device.type == "cuda":
+            configure_cuda()
         self.mesh = None
         if self.world > 1:
             import torch.distributed as dist
@@ -105,7 +118,7 @@ class Rank:
             if self.device.type == "cuda":
                 torch.cuda.set_device(0)  # Ray gives each worker one GPU, visible as device 0
             dist.init_process_group(
-                "nccl" if self.device.type == "cuda" else "gloo",
+                process_group_backend(self.device.type),
                 init_method=init_method,
                 rank=self.rank,
                 world_size=self.world,
@@ -149,9 +162,7 @@ class Rank:
                 remove_padding=cfg.critic.model.use_remove_padding,
             )
         for role in TRAINED:
-            if role in self.roles and self.models.fsdp(role).optimizer_offload and self.device.type == "cuda":
-                from tearless.distributed.fsdp import move_optimizer_state
-
+            if role in self.roles and self._optimizer_offloaded(role):
                 move_optimizer_state(self.roles[role].optimizer, "cpu")
         if spec.rollout:
             trained = self.roles["actor"].model if "actor" in self.roles else None
@@ -299,10 +310,8 @@ class Rank:
         else:
             s = update_settings(unit.s, cfg.actor_rollout_ref.rollout.n)
             loss_fn = unit.micro_loss
-        offload = self.device.type == "cuda" and self.models.fsdp(role).optimizer_offload
+        offload = self._optimizer_offloaded(role)
         if offload:
-            from tearless.distributed.fsdp import move_optimizer_state
-
             move_optimizer_state(unit.optimizer, self.device)
         additive, shared = run_plan(unit, td, steps, s, loss_fn, world=self.world)
         if offload:
@@ -314,6 +323,14 @@ class Rank:
             )
             shared["timing_s/engine_load_weights"] = time.perf_counter() - start
         return additive, shared
+
+    def _optimizer_offloaded(self, role: str) -> bool:
+        """Whether ``role``'s optimizer state lives in CPU memory between updates and visits the GPU
+        for each one (:func:`~tearless.distributed.fsdp.optimizer_state_moves`)."""
+        fsdp = self.models.fsdp(role)
+        return optimizer_state_moves(
+            self.device.type, param_offload=fsdp.param_offload, optimizer_offload=fsdp.optimizer_offload
+        )
 
     # ------------------------------------------------------------------ weights for separate engines
     def sync_engine(self) -> None:

@@ -6,14 +6,31 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tearless.config import Config
+import torch
+
+from tearless.config import Config, ConfigError
+
+
+def resolve_device(name: str) -> str:
+    """``trainer.device`` as seen from *this* process: ``auto`` is ``cuda`` where this process sees a
+    GPU, else ``cpu``. A worker decides for itself (a CPU-only head node must not make GPU workers
+    train on their CPUs); ``cuda`` without a visible GPU is refused in one line."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.device=cuda, but this process sees no CUDA device (a CPU build of torch, or "
+            "CUDA_VISIBLE_DEVICES hides them); install a CUDA build of torch or set trainer.device=cpu"
+        )
+    return name
 
 
 @dataclasses.dataclass
 class RankSpec:
     """What a rank builds. ``model_path`` holds the initial weights; ``resume_dir`` a checkpoint whose
     ``actor/`` (and ``critic/``) replace them; ``tool_config`` is the embedded task's tool YAML,
-    used when ``multi_turn.tool_config_path`` is null."""
+    used when ``multi_turn.tool_config_path`` is null. ``device`` is ``trainer.device`` as asked
+    (``auto`` included): each rank resolves it in its own process (:func:`resolve_device`)."""
 
     cfg: Config
     roles: tuple[str, ...]

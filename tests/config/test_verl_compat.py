@@ -77,14 +77,14 @@ def test_aliases_set_the_tearless_key():
         None,
         [
             "critic.optim.clip_grad=0.3",
-            "actor_rollout_ref.actor.fsdp_config.dtype=float16",
+            "actor_rollout_ref.actor.fsdp_config.dtype=bfloat16",
             f"actor_rollout_ref.model.custom_chat_template='{TEMPLATE}'",
             "ray_kwargs.ray_init.num_cpus=3",
         ],
         notify=lambda _: None,
     )
     assert cfg.critic.grad_clip == 0.3
-    assert cfg.actor_rollout_ref.actor.fsdp_config.param_dtype == "float16"
+    assert cfg.actor_rollout_ref.actor.fsdp_config.param_dtype == "bfloat16"
     assert cfg.data.chat_template == TEMPLATE
     assert cfg.ray_init.num_cpus == 3
 

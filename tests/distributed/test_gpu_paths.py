@@ -1,0 +1,143 @@
+"""The GPU placement's process group, device and offload logic, checked where it can be on a CPU.
+
+A CUDA run's default group is ``cpu:gloo,cuda:nccl`` (:func:`process_group_backend`); the CPU tests
+build the same group with gloo in NCCL's place (``cpu:gloo,cuda:gloo``), which routes each device
+type exactly as the real one does, and show that an NCCL-style group bound to cuda alone refuses the
+CPU collectives the ranks run (the finite-gradient vote, the buffer broadcast of an offloaded model).
+What only a GPU can show (NCCL itself, the device-to-host copies of an offloaded optimizer) is in
+``benchmarks/gpu_check.py`` and in the CUDA-only tests below, skipped here with that reason.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tearless.config import ConfigError, load_config
+from tearless.distributed.fsdp import move_optimizer_state, optimizer_state_moves, process_group_backend
+from tearless.workers.spec import resolve_device
+
+# One process, world size 1, the group built from process_group_backend("cuda") with gloo standing in
+# for NCCL: the vote and the CPU buffer broadcast of shard_from_rank0 (param_offload's setup path).
+GROUP_SCRIPT = textwrap.dedent(
+    """
+    import sys, socket, torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from tearless.distributed.fsdp import process_group_backend, shard_from_rank0
+    from tearless.workers.schedule import all_ranks_agree
+
+    backend = sys.argv[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        votes = [all_ranks_agree(True, world=2), all_ranks_agree(False, world=2)]
+        mesh = init_device_mesh("cpu", (1,))
+
+        def build(real):
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)]))
+
+        model = shard_from_rank0(build, mesh, rank=0, device="cpu")
+        print("votes", votes, "params", sum(p.numel() for p in model.parameters()))
+    except RuntimeError as e:
+        print("refused:", str(e).splitlines()[0])
+    finally:
+        dist.destroy_process_group()
+    """
+)
+
+
+def run_group(backend: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", GROUP_SCRIPT, backend], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_the_gpu_group_carries_gloo_for_cpu_tensors():
+    assert process_group_backend("cuda") == "cpu:gloo,cuda:nccl"
+    assert process_group_backend("cpu") == "gloo"
+    stand_in = process_group_backend("cuda").replace("nccl", "gloo")
+    # Both votes come back (True, then False: the minimum), and the model's 2 × (3·3 + 3) = 24
+    # parameters were broadcast into its shards through the CPU side of the group.
+    assert run_group(stand_in) == "votes [True, False] params 24"
+
+
+def test_a_group_bound_to_cuda_alone_refuses_the_cpu_vote():
+    # The group the GPU placement used to build ("nccl": cuda only), with gloo standing in for NCCL.
+    assert run_group("cuda:gloo") == "refused: No backend type associated with device type cpu"
+
+
+@pytest.mark.parametrize(
+    ("device", "param_offload", "optimizer_offload", "moves"),
+    [
+        ("cpu", False, True, False),  # nothing to offload to on a CPU run
+        ("cuda", False, False, False),
+        ("cuda", False, True, True),  # the state visits the GPU for each step
+        ("cuda", True, False, False),  # parameters (and so AdamW's step) live in CPU memory
+        ("cuda", True, True, False),  # ... and the state stays beside them
+    ],
+)
+def test_optimizer_state_moves_only_beside_parameters_on_the_gpu(
+    device, param_offload, optimizer_offload, moves
+):
+    assert (
+        optimizer_state_moves(device, param_offload=param_offload, optimizer_offload=optimizer_offload)
+        is moves
+    )
+
+
+def adam_with_state(device: str) -> torch.optim.AdamW:
+    p = torch.nn.Parameter(torch.arange(6.0, device=device))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.linspace(-1, 1, 6, device=device)
+    opt.step()
+    return opt
+
+
+def test_moving_optimizer_state_to_its_own_device_changes_nothing():
+    opt = adam_with_state("cpu")
+    before = {k: v.clone() for k, v in next(iter(opt.state.values())).items()}
+    move_optimizer_state(opt, "cpu")
+    after = next(iter(opt.state.values()))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device-to-host copy needs a GPU")
+def test_offloaded_state_is_whole_when_read_right_after_the_move():
+    opt = adam_with_state("cuda")
+    state = next(iter(opt.state.values()))
+    expected = {k: v.cpu() for k, v in state.items()}
+    move_optimizer_state(opt, "cpu")
+    moved = next(iter(opt.state.values()))
+    assert all(moved[k].device.type == "cpu" and torch.equal(moved[k], expected[k]) for k in expected)
+
+
+def test_auto_device_is_decided_by_the_process_that_asks():
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match=r"^trainer\.device=cuda, but this process sees no CUDA") as e:
+        resolve_device("cuda")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor", "critic.model"])
+def test_float16_training_without_a_loss_scaler_is_refused(key):
+    with pytest.raises(ConfigError, match=rf"{key}\.fsdp_config\.param_dtype: float16 training needs"):
+        load_config(None, [f"{key}.fsdp_config.param_dtype=float16"], notify=lambda _: None)
+
+
+def test_a_float16_reference_is_allowed():
+    cfg = load_config(None, ["actor_rollout_ref.ref.fsdp_config.param_dtype=fp16"], notify=lambda _: None)
+    assert cfg.actor_rollout_ref.ref.fsdp_config.param_dtype == "fp16"
