@@ -252,6 +252,11 @@ class RolloutConfig:
     free_cache_engine: bool = doc(
         True, "vllm: put the engine to sleep (weights and KV cache released) while training runs"
     )
+    enforce_eager: bool = doc(
+        False,
+        "GPU: run every decode step eagerly; false = the built-in engine replays its decode step as a "
+        "CUDA graph (and vLLM captures its own). No effect on CPU",
+    )
     weight_sync_timeout_s: float = doc(600.0, "vllm: seconds allowed to load updated weights into the engine")
     dtype: str | None = doc(
         None,

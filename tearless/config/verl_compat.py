@@ -416,7 +416,6 @@ RULES: list[Rule] = [
     *[
         Rule(f"{ARR}.rollout.{k}", _ENGINE)
         for k in (
-            "enforce_eager",
             "cudagraph_capture_sizes",
             "max_num_batched_tokens",
             "max_model_len",

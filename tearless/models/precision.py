@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tearless.models.loading import resolve_dtype
+from tearless.models.loading import compute_device, resolve_dtype
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -120,7 +120,7 @@ def autocast_for(model: torch.nn.Module) -> Iterator[None]:
     if dtype is None:
         yield
         return
-    device = next(model.parameters()).device
+    device = compute_device(model)
     with autocast(device, dtype):
         yield
 

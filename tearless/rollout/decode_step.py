@@ -57,12 +57,15 @@ def sample_step(
     top_k: int = -1,
     top_p: float = 1.0,
     distinct: bool = False,
+    in_order: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, log-probs and entropies, each (B,), of the B output rows drawing from model rows
     ``owner`` (B,) of ``logits`` (U, V), with uniforms ``u`` (B,); ``u=None`` is greedy (argmax).
 
     ``distinct`` says that ``owner`` holds no index twice (every output row has its own model row):
     the draw then searches each row's CDF directly (the same comparisons, so the same tokens).
+    ``in_order`` says more: ``owner`` is ``arange(U)``, output row i draws from model row i; nothing is
+    then read back to the host (the GPU decode loop's steps never wait for the device).
     """
     scaled = logits / temperature if (u is not None or temperature > 0) and temperature != 1 else logits
     shifted = scaled - scaled.amax(-1, keepdim=True)
@@ -76,18 +79,21 @@ def sample_step(
     else:
         if top_k > 0 or top_p < 1.0:
             probs = torch.softmax(filter_logits(scaled, top_k, top_p), dim=-1)
-        if not distinct:
+        if in_order:
+            tok = _draw_distinct(probs, u, sync=False)
+        elif not distinct:
             tok = inverse_cdf(probs, owner, u)
         else:  # the decode loop's own rows in order: no (B, V) copy of the probabilities
-            in_order = torch.arange(len(owner), device=owner.device)
-            identity = len(owner) == len(probs) and bool((owner == in_order).all())
+            rows = torch.arange(len(owner), device=owner.device)
+            identity = len(owner) == len(probs) and bool((owner == rows).all())
             tok = _draw_distinct(probs if identity else probs[owner], u)
     log_prob = shifted[owner, tok] - log_z[owner]
     return tok, log_prob, entropy[owner]
 
 
-def _draw_distinct(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """:func:`inverse_cdf` for one output row per model row, row i of ``probs`` (B, V) at ``u[i]``."""
+def _draw_distinct(probs: torch.Tensor, u: torch.Tensor, *, sync: bool = True) -> torch.Tensor:
+    """:func:`inverse_cdf` for one output row per model row, row i of ``probs`` (B, V) at ``u[i]``
+    (``sync=False``: the clamp of :func:`clamp_to_support` without reading anything to the host)."""
     cdf = probs.cumsum(-1)
     drawn = torch.searchsorted(cdf, u.to(cdf.device, cdf.dtype)[:, None] * cdf[:, -1:], right=True)[:, 0]
-    return clamp_to_support(probs, drawn)
+    return clamp_to_support(probs, drawn, sync=sync)

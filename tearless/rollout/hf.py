@@ -15,10 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from tearless.models.compat import cache_kwargs
+from tearless.models.loading import compute_device
 from tearless.models.packing import use_tearless_attention
 from tearless.models.precision import autocast
 from tearless.rollout.decode_step import filter_logits, sample_step
 from tearless.rollout.seeds import sample_keys, uniforms
+from tearless.rollout.static_decode import decode_static
 
 __all__ = ["HFRollout", "RolloutOutput", "concat_rollouts", "filter_logits", "left_pad", "select_rows"]
 
@@ -87,8 +89,13 @@ class HFRollout:
         eos_token_ids: list[int],
         pad_token_id: int,
         compute_dtype: torch.dtype | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
+        # On GPU: the static loop (rollout.static_decode), its decode step replayed as a CUDA graph
+        # unless cuda_graphs is off (rollout.enforce_eager). static_loop None = on GPU only.
+        self.cuda_graphs = cuda_graphs
+        self.static_loop: bool | None = None
         use_tearless_attention(model)  # decode steps in float32 matmul attention (packing.decode_attention)
         # bf16: the decode loop's forwards run under CPU autocast (tearless.models.precision); the
         # sampling distribution is computed from logits upcast to float32.
@@ -148,8 +155,11 @@ class HFRollout:
         expanded = [p for p in prompts for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
         try:
-            with torch.inference_mode(), autocast(next(self.model.parameters()).device, self.compute_dtype):
-                tokens, logps, ents, mask, finished, versions = self._decode(
+            device = compute_device(self.model)
+            with torch.inference_mode(), autocast(device, self.compute_dtype):
+                static = device.type == "cuda" if self.static_loop is None else self.static_loop
+                decode = self._decode_static if static and between_tokens is None else self._decode
+                tokens, logps, ents, mask, finished, versions = decode(
                     prompts,
                     n,
                     max_new_tokens,
@@ -174,6 +184,40 @@ class HFRollout:
             truncated=~finished.cpu().clone(),
             entropy=ents.cpu().clone(),
             token_versions=versions.cpu().clone(),
+        )
+
+    def _decode_static(
+        self,
+        prompts,
+        n,
+        max_new_tokens,
+        temperature,
+        top_p,
+        top_k,
+        do_sample,
+        keys,
+        stop_sequences,
+        version,
+        between_tokens=None,
+    ):
+        """The GPU loop (:func:`tearless.rollout.static_decode.decode_static`): one row per sample, no
+        host synchronisation per token, the decode step a CUDA graph."""
+        return decode_static(
+            self.model,
+            left_pad,
+            prompts,
+            n,
+            max_new_tokens,
+            pad_token_id=self.pad_token_id,
+            eos=self.eos,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            do_sample=do_sample,
+            keys=keys,
+            stop_sequences=stop_sequences,
+            version=version,
+            graphs=self.cuda_graphs,
         )
 
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int):
@@ -221,7 +265,7 @@ class HFRollout:
         row each (the cache built by the old weights is dropped), and the loop goes on at the same
         position: the same sampling draws, the new weights' distributions.
         """
-        device = next(self.model.parameters()).device
+        device = compute_device(self.model)
         ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
         draws = uniforms(sample_keys(keys, n), max_new_tokens).to(device) if do_sample else None
         eos = self.eos.to(device)

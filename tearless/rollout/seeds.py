@@ -84,7 +84,7 @@ def inverse_cdf(probs: torch.Tensor, owner: torch.Tensor, u: torch.Tensor) -> to
 
 
 def clamp_to_support(
-    probs: torch.Tensor, drawn: torch.Tensor, owner: torch.Tensor | None = None
+    probs: torch.Tensor, drawn: torch.Tensor, owner: torch.Tensor | None = None, *, sync: bool = True
 ) -> torch.Tensor:
     """``drawn`` (B,), tokens searched in the CDF of rows ``owner`` (default: row i for i) of ``probs``
     (U, V), with every index V (past the vocabulary) replaced by that row's last token of non-zero
@@ -92,9 +92,14 @@ def clamp_to_support(
 
     u·Z can round up to the total Z itself, and ``searchsorted(right=True)`` then returns V. Any
     smaller target lands at or before the last non-zero token (where the CDF reaches Z), so only V
-    needs the fix, and the search for the last non-zero token runs on those rare rows alone.
+    needs the fix, and the search for the last non-zero token runs on those rare rows alone. With
+    ``sync=False`` it runs on every row instead, so that nothing is read back to the host.
     """
     past = drawn == probs.shape[1]
+    if not sync:
+        rows = probs if owner is None else probs[owner]
+        last = probs.shape[1] - 1 - (rows.flip(-1) > 0).to(torch.int8).argmax(-1)
+        return torch.where(past, last, drawn)
     if not bool(past.any()):
         return drawn
     rows = probs[past] if owner is None else probs[owner[past]]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tearless.models.loading import compute_device
 from tearless.trainers import checkpoint as ckpt
 
 
@@ -40,7 +41,7 @@ def weights_finite(model: torch.nn.Module) -> bool:
 def logits_finite(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
     """Whether ``model``'s logits on ``input_ids`` (1, T) are all finite."""
     with torch.no_grad():
-        logits = model(input_ids=input_ids.to(next(model.parameters()).device)).logits
+        logits = model(input_ids=input_ids.to(compute_device(model))).logits
     return bool(torch.isfinite(logits).all())
 
 

@@ -1,6 +1,6 @@
 """What a rank builds: its models (plain, or sharded from rank 0's copy) and its rollout side.
 
-:class:`ModelBuilder` loads a role's model at world size 1 as transformers does, and at world size > 1
+:class:`ModelBuilder` loads a role's model without a device mesh as transformers does, and with one
 reads the weights on rank 0 only and broadcasts them into every rank's FSDP2 shards
 (:func:`tearless.distributed.fsdp.shard_from_rank0`), the other ranks building the architecture on
 the meta device. Sharded trained weights are float32 masters; on GPU forward and backward run in
@@ -72,18 +72,18 @@ class ModelBuilder:
         return getattr(cfg.actor_rollout_ref, role).fsdp_config
 
     def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
-        """``build(real)`` as this rank's model: loaded as is at world size 1, else sharded from rank 0;
+        """``build(real)`` as this rank's model: loaded as is without a mesh, else sharded from rank 0;
         marked to compute in ``role``'s ``param_dtype`` under autocast when that is a reduced dtype, on
         CPU and on one GPU (sharded GPU models compute in it through FSDP2's mixed precision)."""
         model = self._shard(build, role)
-        if self.device.type == "cpu" or self.world == 1:
+        if self.device.type == "cpu" or self.mesh is None:
             dtype = compute_dtype(self.fsdp(role).param_dtype, self.device, role_key(role))
             if dtype != torch.float32:
                 set_compute_dtype(model, dtype)
         return model
 
     def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
-        if self.world == 1:
+        if self.mesh is None:
             return build(True).to(self.device)
         from tearless.distributed.fsdp import shard_from_rank0
 
@@ -104,8 +104,8 @@ class ModelBuilder:
 
     def master_dtype(self, trained: bool) -> str:
         """Sharded trained weights stay float32 (FSDP's mixed precision computes in param_dtype);
-        a single process keeps ``model.dtype``."""
-        return "float32" if trained and self.world > 1 else self.spec.cfg.actor_rollout_ref.model.dtype
+        an unsharded model keeps ``model.dtype``."""
+        return "float32" if trained and self.mesh is not None else self.spec.cfg.actor_rollout_ref.model.dtype
 
     def causal_lm(self, role: str, *, trained: bool) -> torch.nn.Module:
         """``role``'s causal LM: the checkpoint's (resume) or the base weights, with LoRA adapters for
@@ -192,7 +192,11 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
         # Sampling from the trained weights (hybrid): autocast in the rollout's precision on CPU.
         precision = hybrid_rollout_dtype(cfg, spec.device) if trained is not None else None
         engine = HFRollout(
-            model, eos_token_ids=sorted(eos), pad_token_id=tokenizer.pad_token_id, compute_dtype=precision
+            model,
+            eos_token_ids=sorted(eos),
+            pad_token_id=tokenizer.pad_token_id,
+            compute_dtype=precision,
+            cuda_graphs=not arr.rollout.enforce_eager,
         )
     from tearless.rewards import load_reward_function, make_reward_manager
 

@@ -14,7 +14,9 @@ What a rank holds depends on the placement:
   during the update and takes the new weights in this process. In the split placement, rollout
   ranks hold a plain copy of the policy that the training ranks broadcast to after each update.
 
-Models of world-size-1 ranks load as usual. Sharded ones are read by rank 0 only and broadcast into
+Models of world-size-1 ranks load as usual, unless a GPU process offloads a role's parameters or
+optimizer state to CPU memory: it then shards them over a one-rank group (FSDP2's offload). Sharded
+models are read by rank 0 only and broadcast into
 every rank's shards (:func:`tearless.distributed.fsdp.shard_from_rank0`), with float32 master
 weights; on GPU, forward and backward run in ``fsdp_config.param_dtype`` (bf16 by default).
 """
@@ -99,7 +101,8 @@ class Rank:
             return f"tcp://{host}:{s.getsockname()[1]}"
 
     def setup(self, init_method: str | None = None) -> None:
-        """Join the process group (world > 1), then build the models, the engine and the scorers."""
+        """Join the process group (world > 1, or a one-rank group for a GPU process that offloads),
+        then build the models, the engine and the scorers."""
         cfg, spec = self.spec.cfg, self.spec
         t, arr = cfg.trainer, cfg.actor_rollout_ref
         configure_cpu(t.num_threads, t.keep_freed_memory)
@@ -111,7 +114,14 @@ class Rank:
         if self.device.type == "cuda":
             configure_cuda()
         self.mesh = None
-        if self.world > 1:
+        # FSDP2 shards the models of a group of ranks, and those of one GPU process that offloads a
+        # role's parameters or optimizer state to CPU memory (FSDP2's offload, over a one-rank group).
+        offload = self.device.type == "cuda" and any(
+            f.param_offload or f.optimizer_offload
+            for f in (arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic.model.fsdp_config)
+        )
+        self.owns_group = False
+        if self.world > 1 or spec.sharded or offload:
             import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -119,11 +129,12 @@ class Rank:
                 torch.cuda.set_device(0)  # Ray gives each worker one GPU, visible as device 0
             dist.init_process_group(
                 process_group_backend(self.device.type),
-                init_method=init_method,
+                init_method=init_method or self.address(),
                 rank=self.rank,
                 world_size=self.world,
                 timeout=timedelta(seconds=t.worker_timeout_s),
             )
+            self.owns_group = True
             self.mesh = init_device_mesh(self.device.type, (self.world,))
         tok = arr.model.tokenizer_path or spec.model_path
         self.tokenizer = load_tokenizer(tok)
@@ -245,7 +256,7 @@ class Rank:
     def _forward_mode(self):
         # FSDP's all-gathers allocate parameters that later training passes reuse; inference-mode
         # tensors cannot take part in autograd, so sharded models use no_grad.
-        return torch.no_grad() if self.world > 1 else torch.inference_mode()
+        return torch.no_grad() if self.mesh is not None else torch.inference_mode()
 
     def compute_log_prob(
         self, role: str, td: TensorDict, num_micro: int, with_entropy: bool = False
@@ -463,7 +474,13 @@ class Rank:
         return sum(self.roles[r].skipped_steps for r in TRAINED if r in self.roles)
 
     def close(self) -> None:
-        """Stop the reward processes (idempotent)."""
+        """Stop the reward processes and leave the process group this rank made (idempotent)."""
         if self.reward is not None:
             self.reward.close()
             self.reward = None
+        if getattr(self, "owns_group", False):
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.owns_group = False

@@ -38,6 +38,9 @@ class RankSpec:
     model_path: str
     total_steps: int
     device: str
+    # Shard the models over a process group even at world size 1 (FSDP2 over one rank): what one
+    # GPU process does when a role offloads its parameters or optimizer state (see Rank.setup).
+    sharded: bool = False
     resume_dir: str | None = None
     reward_fn: Callable[..., Any] | None = None
     tool_config: str | None = None

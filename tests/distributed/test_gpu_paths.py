@@ -10,9 +10,12 @@ What only a GPU can show (NCCL itself, the device-to-host copies of an offloaded
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,3 +144,20 @@ def test_float16_training_without_a_loss_scaler_is_refused(key):
 def test_a_float16_reference_is_allowed():
     cfg = load_config(None, ["actor_rollout_ref.ref.fsdp_config.param_dtype=fp16"], notify=lambda _: None)
     assert cfg.actor_rollout_ref.ref.fsdp_config.param_dtype == "fp16"
+
+
+@pytest.mark.slow
+def test_the_gpu_checks_dry_run_passes_on_cpu(tmp_path):
+    # benchmarks/gpu_check.py runs tearless's GPU paths on a GPU; its dry run is the same code on CPU
+    # (gloo for NCCL, no CUDA graphs, tiny sizes), so the script cannot rot between GPU sessions.
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
+    env = {**os.environ, "TEARLESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 7 passed, 0 failed", out.stdout + out.stderr
+    results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+    assert results["grpo_fp32_resume"]["resumed"] and results["grpo_fp32_resume"]["steps"] == 2
+    assert results["rank_sharded_logprobs"]["sharded_class"].startswith("FSDP")
+    assert results["decode_loop"]["static_greedy_agree"] >= 0.99
