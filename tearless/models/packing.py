@@ -232,15 +232,23 @@ def _varlen_attn():
     return varlen_attn, causal, "enable_gqa" in params
 
 
+def flash_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half-precision dtype flash attention would read ``query`` in: its own (bf16/fp16), or, for a
+    float32 query under CUDA autocast (rotary embeddings in float32 promote the projections' bf16
+    outputs), autocast's, which is what SDPA would cast it to; None otherwise."""
+    half = (torch.bfloat16, torch.float16)
+    if query.dtype in half:
+        return query.dtype
+    if query.is_cuda and torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") in half:
+        return torch.get_autocast_dtype("cuda")
+    return None
+
+
 def varlen_ready(query: torch.Tensor, dropout: float) -> bool:
-    """Whether a packed row's attention can run torch's varlen kernel: a CUDA tensor in bf16/fp16
-    (flash attention's dtypes), no dropout, and a torch that has the kernel."""
-    return (
-        query.is_cuda
-        and query.dtype in (torch.bfloat16, torch.float16)
-        and dropout == 0.0
-        and _varlen_attn() is not None
-    )
+    """Whether a packed row's attention can run torch's varlen kernel: a CUDA tensor computed in
+    bf16/fp16 (flash attention's dtypes, :func:`flash_dtype`), no dropout, and a torch that has the
+    kernel."""
+    return query.is_cuda and flash_dtype(query) is not None and dropout == 0.0 and _varlen_attn() is not None
 
 
 def varlen_causal(
@@ -253,10 +261,12 @@ def varlen_causal(
 ) -> torch.Tensor:
     """Block-diagonal causal attention of a packed row through ``varlen_attn``: (1, heads, T, d)
     queries, (1, kv heads, T, d) keys and values, sequences cut at ``cu_seqlens`` (n + 1,); returns
-    (1, T, heads, d). The same function as :func:`packed_sdpa`'s re-padded SDPA, without padding:
-    flash attention reads each sequence's own keys only."""
+    (1, T, heads, d) in :func:`flash_dtype` (as SDPA under autocast returns it). The same function as
+    :func:`packed_sdpa`'s re-padded SDPA, without padding: flash attention reads each sequence's own
+    keys only."""
     varlen_attn, causal, gqa = _varlen_attn()
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (T, heads, d)
+    dtype = flash_dtype(query)
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (T, heads, d)
     extra = dict(causal)
     if k.shape[1] != q.shape[1]:
         if gqa:

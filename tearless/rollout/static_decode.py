@@ -28,9 +28,11 @@ batch composition and cache layout the same responses (tests compare the two on 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from tearless.models.compat import cache_kwargs
 from tearless.models.loading import compute_device
@@ -72,6 +74,13 @@ def decode_static(
     eos = eos.to(device)
     stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
     cache = StaticCache(config=model.config, max_cache_len=capacity)
+    # Every full-attention layer stores keys and values in one dtype chosen once (transformers' own
+    # layer takes the first keys' dtype, and rotary embeddings hand it float32 keys beside bf16 values
+    # under autocast).
+    layer = _one_dtype_layer_class()
+    cache.layers = [
+        layer(max_cache_len=capacity) if type(x).__name__ == "StaticLayer" else x for x in cache.layers
+    ]
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     out = model(
         input_ids=ids,
@@ -137,7 +146,9 @@ class DecodeStep:
         self.positions = next_positions.clone()
         self.mask = torch.zeros((batch, 1, 1, capacity), dtype=torch.bool, device=device)
         self.mask[:, 0, 0, :width] = prompt_mask.bool()
-        self.graphs = graphs and device.type == "cuda"
+        # FSDP's hooks (and CPU-offloaded shards) copy between devices inside the forward, which a
+        # graph cannot capture: a sharded model decodes eagerly.
+        self.graphs = graphs and device.type == "cuda" and not isinstance(model, FSDPModule)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.calls = 0
         self.logits: torch.Tensor | None = None
@@ -172,3 +183,28 @@ class DecodeStep:
             self.logits = self._forward()
         self.graph.replay()
         return self.logits.clone()
+
+
+def cache_dtype(key_states: torch.Tensor) -> torch.dtype:
+    """The dtype a decode cache stores: autocast's on a GPU (what SDPA casts keys and values to anyway,
+    so nothing is lost), float32 for reduced-precision keys on CPU (the CPU decode attention computes
+    in float32, :func:`tearless.models.packing.decode_attention`), else the keys' own."""
+    if key_states.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    if not key_states.is_cuda and key_states.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return key_states.dtype
+
+
+@functools.cache
+def _one_dtype_layer_class() -> type:
+    from transformers.cache_utils import StaticLayer
+
+    class OneDtypeStaticLayer(StaticLayer):
+        """transformers' ``StaticLayer`` with keys and values cast to one dtype (:func:`cache_dtype`)."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            dtype = self.keys.dtype if self.is_initialized else cache_dtype(key_states)
+            return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return OneDtypeStaticLayer
