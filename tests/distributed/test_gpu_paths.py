@@ -156,7 +156,7 @@ def test_the_gpu_checks_dry_run_passes_on_cpu(tmp_path):
         [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
-    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 7 passed, 0 failed", out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 9 passed, 0 failed", out.stdout + out.stderr
     results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
     assert results["grpo_fp32_resume"]["resumed"] and results["grpo_fp32_resume"]["steps"] == 2
     assert results["rank_sharded_logprobs"]["sharded_class"].startswith("FSDP")

@@ -133,3 +133,19 @@ def test_the_buffered_cache_fills_to_its_capacity_and_refuses_one_more_position(
     with pytest.raises(ValueError, match="holds 64 positions, not 65"):
         layer.update(written[:2, :, :1], written[:2, :, :1])
     assert type(decode_cache(cfg, 63).layers[0]).__name__ == "DynamicLayer"  # below the threshold: stock
+
+
+def test_in_order_rows_draw_what_distinct_rows_draw_without_a_host_read():
+    # in_order (the GPU loop: output row i draws from model row i) takes the same draws as distinct,
+    # including the clamp of a uniform that rounds up to the total mass (u = 1 - 2^-24 at a row whose
+    # last tokens have zero probability).
+    torch.manual_seed(0)
+    logits = torch.randn(5, 7)
+    logits[2, 4:] = float("-inf")
+    owner = torch.arange(5)
+    u = torch.tensor([0.1, 0.5, 1 - 2**-24, 0.9, 0.0])
+    expected = sample_step(logits, owner, u, temperature=0.7, distinct=True)
+    got = sample_step(logits, owner, u, temperature=0.7, in_order=True)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert int(got[0][2]) <= 3  # the clamped draw stays on the row's support

@@ -333,3 +333,37 @@ def test_the_buffered_decode_cache_samples_exactly_what_the_stock_cache_samples(
     # The attention reads the keys and values from differently laid-out buffers (other kernels).
     torch.testing.assert_close(buffered.log_probs, stock.log_probs, atol=logprob_tol(model.config), rtol=0)
     torch.testing.assert_close(buffered.entropy, stock.entropy, atol=entropy_tol(model.config), rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_the_gpu_loop_samples_what_the_cpu_loop_samples(setup, temperature):
+    # The static loop (rollout.static_decode, the GPU default, run here on CPU) keeps one row per
+    # sample to the end and reads nothing back per token; the same keys draw the same tokens, and a
+    # finished row's later columns are masked exactly as the CPU loop leaves them.
+    _, model, prompts, rollout = setup
+    keys = prompt_keys(5, 0, 0, len(prompts)) if temperature else None
+    outs = {}
+    for static in (False, True):
+        rollout.static_loop = static
+        try:
+            outs[static] = rollout.generate(
+                prompts,
+                n=3,
+                max_new_tokens=24,
+                temperature=temperature or 1.0,
+                do_sample=temperature > 0,
+                keys=keys,
+            )
+        finally:
+            rollout.static_loop = None
+    cpu, gpu = outs[False], outs[True]
+    # Integers drawn with one seed: equal unless rounding moved a probability across a draw.
+    assert torch.equal(gpu.response_ids, cpu.response_ids)
+    assert torch.equal(gpu.response_mask, cpu.response_mask)
+    assert torch.equal(gpu.truncated, cpu.truncated)
+    lengths = cpu.response_mask.sum(-1)
+    assert lengths.min() < lengths.max()  # rows finished at different steps
+    # Another batch composition and cache layout: the log-probs and entropies agree to rounding.
+    torch.testing.assert_close(gpu.log_probs, cpu.log_probs, atol=logprob_tol(model.config), rtol=0)
+    torch.testing.assert_close(gpu.entropy, cpu.entropy, atol=entropy_tol(model.config), rtol=0)
+    assert torch.equal(gpu.log_probs == 0, cpu.log_probs == 0)
