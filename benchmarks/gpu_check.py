@@ -399,7 +399,7 @@ def update_precision(device: str, dry: bool) -> dict:
             if device == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        seconds[name], peak[name], losses[name] = sorted(times[1:])[1], peak_gib(), float(loss)
+        seconds[name], peak[name], losses[name] = sorted(times[1:])[1], peak_gib(), float(loss.detach())
         del model, opt
     return {"fp32_s": round(seconds["fp32"], 4), "bf16_s": round(seconds["bf16"], 4),
             "speedup": round(seconds["fp32"] / seconds["bf16"], 2), "fp32_peak_gib": peak["fp32"],
