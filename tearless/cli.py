@@ -369,11 +369,14 @@ def _report(args: argparse.Namespace) -> int:
     directory that is not a run."""
     from tearless.report.html import RunDirError, compare, write_report
 
+    def warn(message: str) -> None:
+        print(f"tearless: warning: {message}", file=sys.stderr)
+
     try:
         if args.command == "report":
-            page = write_report(args.run_dir, args.out)
+            page = write_report(args.run_dir, args.out, log=warn)
         else:
-            page = compare(args.run_dirs, args.out)
+            page = compare(args.run_dirs, args.out, log=warn)
     except RunDirError as e:
         print(f"tearless: {e}", file=sys.stderr)
         return 2

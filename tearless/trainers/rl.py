@@ -536,7 +536,9 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint we start from are replayed, so their old records go (all of them
         # when starting from scratch in a used directory).
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step if self.start_step > 0 else -1)
+        truncate_jsonl(
+            self.run_dir / "metrics.jsonl", self.start_step if self.start_step > 0 else -1, log=self.log
+        )
         truncate_records(self.run_dir / ROLLOUTS_FILE, self.start_step if self.start_step > 0 else -1)
         self._restore_checkpointed_record()
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))
