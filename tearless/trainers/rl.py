@@ -30,6 +30,7 @@ from tensordict import TensorDict
 from tearless import faults
 from tearless.algos import compute_advantage, make_kl_controller
 from tearless.config import Config, to_dict
+from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.models.loading import load_tokenizer
@@ -92,6 +93,16 @@ class RLTrainer:
         random.seed(t.seed)
         configure_cpu(t.num_threads, t.keep_freed_memory)
         model_path, train_files, val_files, tools = self._resolve_paths()
+        # The files the run reads, by content (kept in checkpoints, compared on resume): a model or
+        # data file rewritten at the same path makes another run.
+        self.fingerprints = fingerprints(
+            {
+                "actor_rollout_ref.model.path": model_path,
+                "actor_rollout_ref.model.tokenizer_path": arr.model.tokenizer_path,
+                "critic.model.path": cfg.critic.model.path,
+                "data.train_files": train_files,
+            }
+        )
         tok_key = "actor_rollout_ref.model." + ("tokenizer_path" if arr.model.tokenizer_path else "path")
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path, key=tok_key)
         dkw = dict(
@@ -210,6 +221,13 @@ class RLTrainer:
             return 0, None
         self._resume_state = ckpt.load_state(path)
         resume_compat.check_resume(self._resume_state.get("config"), self.cfg, path, log=self.log)
+        changed = fingerprint_changes(self._resume_state.get("fingerprints"), self.fingerprints)
+        if changed:
+            raise resume_compat.ResumeMismatch(
+                f"cannot resume from {path}: files of the run changed since it was written "
+                f"({'; '.join(changed[:5])}{'; …' if len(changed) > 5 else ''}). Put the old files back to "
+                "resume, or start a new run with another trainer.experiment_name"
+            )
         if "workers" not in self._resume_state:
             raise ValueError(
                 f"{path} was written by an older tearless whose optimizer state format this one does not "
@@ -246,6 +264,7 @@ class RLTrainer:
             "bad_steps": self.bad_steps,
             # Plain JSON values only, so the state loads with torch.load(weights_only=True).
             "config": json.loads(json.dumps(to_dict(self.cfg), default=str)),
+            "fingerprints": self.fingerprints,
             "step_metrics": {
                 k: float(v) if isinstance(v, (int, float)) else str(v) for k, v in (metrics or {}).items()
             },
