@@ -129,3 +129,35 @@ def test_no_reward_worker_outlives_the_trainer_and_the_lock_is_free(overrides, t
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("tearless: stopped by SIG"), err
     runlock.acquire(run).release()  # free: no survivor holds it
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130), (signal.SIGKILL, -signal.SIGKILL)]
+)
+def test_on_ray_nothing_outlives_the_driver_and_the_lock_is_free(overrides, tmp_path, sig, code):
+    """The same on the Ray placement (two CPU ranks, each with its reward workers): the driver's
+    descendants (the local Ray cluster it started, the rank actors, their reward workers) all end.
+    Item 11: after SIGTERM the driver printed Ray's C++ stack dump and exited -6; now 143 and one
+    line of its own."""
+    pytest.importorskip("ray")
+    hang = tmp_path / "hang.py"
+    hang.write_text(HANG)
+    run = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[2]
+    args = overrides(
+        run, "trainer.val_before_train=false", "trainer.total_training_steps=2",
+        f"custom_reward_function.path={hang}", "reward_model.num_workers=2", "reward_model.timeout_s=3600",
+        "trainer.placement=ray", "trainer.n_gpus_per_node=2", "trainer.num_threads=1", "ray_init.num_cpus=2",
+        "trainer.worker_timeout_s=900", f"ray_init.runtime_env.env_vars.PYTHONPATH={repo}",
+        f"ray_init.runtime_env.env_vars.TEARLESS_TEST_HANG_DIR={tmp_path / 'hang'}",
+    )  # fmt: skip
+    returncode, err, started = interrupt_a_hung_reward(args, tmp_path, sig)
+    assert returncode == code, err
+    assert len(started) >= 6  # Ray's own processes, two rank actors, their reward workers
+    if sig != signal.SIGKILL:
+        assert err.strip().splitlines()[-1].startswith(f"tearless: stopped by {signal.Signals(sig).name}"), (
+            err
+        )
+        assert "Stack trace" not in err and "*** SIG" not in err, err
+    runlock.acquire(run).release()
