@@ -129,12 +129,18 @@ def main(argv: list[str] | None = None) -> int:
             if debug:
                 raise
             _shutdown_ray()
-            first = next(iter(str(e).strip().splitlines()), "")
-            print(
-                f"tearless: error: {type(e).__name__}: {first} (set {DEBUG_ENV}=1 for the traceback)",
-                file=sys.stderr,
-            )
+            print(f"tearless: error: {one_line(e)} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
             return 1
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception's message; when the message carries a traceback of its
+    own (a Ray worker's failure), its last line too: the remote exception, the part worth reading."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+        text += f" … {lines[-1]}"
+    return text[:1000]
 
 
 def _main(argv: list[str]) -> int:
