@@ -60,7 +60,8 @@ def summarise(rows: list[dict]) -> str:
         xs, ys = [float(p[0]) for p in pts], [p[1] for p in pts]
         grown = statistics.median(ys[-window:]) - statistics.median(ys[:window])
         lines.append(
-            f"  {name}: {ys[0]:.1f} -> {ys[-1]:.1f} MiB, slope {slope(xs, ys) * 1000:+.2f} MiB per 1000 steps, "
+            f"  {name}: {ys[0]:.1f} -> {ys[-1]:.1f} MiB, "
+            f"slope {slope(xs, ys) * 1000:+.2f} MiB per 1000 steps, "
             f"growth {grown:+.2f} MiB (median of last {window} - median of first {window} after warm-up)"
         )
     fds = [r["fds"] for r in rows[warmup:]]
