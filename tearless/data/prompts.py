@@ -83,6 +83,25 @@ def check_chat_template(
         )
 
 
+def check_vocabulary(tokenizer: Any, model_path: str, key: str) -> None:
+    """Raise :class:`DataError` when the tokenizer has more tokens than the model's embedding has rows
+    (``vocab_size`` of the model directory's ``config.json``): an id past them would index outside
+    it, or the ids the tokenizer adds would never be trained. A model bigger than its tokenizer
+    (padded vocabularies) is fine; a model not on this machine is not checked."""
+    config = os.path.join(str(model_path), "config.json")
+    try:
+        with open(config) as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and len(tokenizer) > vocab:
+        raise DataError(
+            f"{key}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} "
+            f"(vocab_size in {config}); ids from {vocab} on would index past it. Use the model's own "
+            "tokenizer (drop actor_rollout_ref.model.tokenizer_path), or a model whose vocabulary fits it"
+        )
+
+
 def _probe_in_child(tokenizer: Any, chat_template: str | None, kwargs: dict) -> dict:
     """Render :data:`_PROBES` in a forked child, killed after :data:`TEMPLATE_BUDGET_S` seconds:
     Jinja runs Python that cannot be interrupted from another thread. Returns ``{"timeout": True}``,

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,11 +59,18 @@ def ensure_ray(cfg: Config, num_workers: int) -> None:
     runtime_env = to_dict(ri.runtime_env)
     if runtime_env.get("env_vars"):
         kwargs["runtime_env"] = {"env_vars": {k: str(v) for k, v in runtime_env["env_vars"].items()}}
+    # ray.init installs its C++ failure-signal handler for SIGTERM over the Python one: a SIGTERM then
+    # printed a stack dump and exited -6 instead of reaching the CLI's clean stop (tearless.cli).
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if address:
         ray.init(address=address, **kwargs)
     else:
         needed = num_workers * cfg.trainer.num_cpus_per_worker
         ray.init(num_cpus=ri.num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            if callable(handler):
+                signal.signal(sig, handler)
 
 
 class Pool:

@@ -33,6 +33,7 @@ from tearless.config import Config, to_dict
 from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
+from tearless.data.prompts import check_vocabulary
 from tearless.models.loading import load_tokenizer
 from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction, rollout_rejection
@@ -105,6 +106,7 @@ class RLTrainer:
         )
         tok_key = "actor_rollout_ref.model." + ("tokenizer_path" if arr.model.tokenizer_path else "path")
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path, key=tok_key)
+        check_vocabulary(self.tokenizer, model_path, tok_key)
         dkw = dict(
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,

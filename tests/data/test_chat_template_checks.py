@@ -79,3 +79,15 @@ def test_a_working_template_renders_every_row(tokenizer):
     ds = PromptDataset(ROWS, tokenizer, chat_template=template)
     assert tokenizer.decode(ds[0]["input_ids"]) == "[user] 1+2=>"
     assert tokenizer.decode(ds[1]["input_ids"]) == "[user] 2+2=>"
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    """Issue 33, item 10: a tokenizer with more tokens than the model's embedding trained silently."""
+    from tearless.data.prompts import check_vocabulary
+
+    tokenizer = build_char_tokenizer(extra_tokens=[f"<t{i}>" for i in range(20)])
+    (tmp_path / "config.json").write_text(f'{{"vocab_size": {len(tokenizer) - 1}}}')
+    with pytest.raises(DataError, match=rf"has {len(tokenizer)} tokens but the model's embedding has"):
+        check_vocabulary(tokenizer, str(tmp_path), "actor_rollout_ref.model.tokenizer_path")
+    (tmp_path / "config.json").write_text(f'{{"vocab_size": {len(tokenizer) + 60}}}')  # padded: fine
+    check_vocabulary(tokenizer, str(tmp_path), "actor_rollout_ref.model.tokenizer_path")
