@@ -84,7 +84,10 @@ def verify(directory: str | os.PathLike, *, marker: str = "COMPLETE") -> list[st
         ):
             raise TypeError("its file list is not {path: {size, sha256}}")
     except FileNotFoundError:
-        if written_with_manifest(directory):
+        era = written_with_manifest(directory)
+        if era is None:
+            return [f"{MANIFEST} is missing and {STATE} does not load as plain data (weights_only)"]
+        if era:
             return [
                 f"{MANIFEST} is missing, though this checkpoint was written by a tearless that writes one "
                 "(its trainer state says so)"
@@ -113,16 +116,17 @@ def verify(directory: str | os.PathLike, *, marker: str = "COMPLETE") -> list[st
     return problems
 
 
-def written_with_manifest(directory: Path) -> bool:
+def written_with_manifest(directory: Path) -> bool | None:
     """Whether the checkpoint's trainer state shows a manifest-era writer: a ``format`` entry, or a
-    ``config`` (added together with manifests). An unreadable state counts as one: nothing vouches
-    for the checkpoint then. No state at all: not a checkpoint (the loader says so)."""
+    ``config`` (added together with manifests); None when the state does not load as plain data (a
+    truncated or hostile file: nothing vouches for the checkpoint). No state at all: False, not a
+    checkpoint (the loader says so)."""
     if not (directory / STATE).is_file():
         return False
     try:
         state = torch.load(directory / STATE, weights_only=True, map_location="cpu")
-    except Exception:  # a missing, truncated or hostile state: not evidence of an old checkpoint
-        return True
+    except Exception:  # unpickling refused or the file is cut: the caller reports it as damage
+        return None
     return not isinstance(state, dict) or "format" in state or "config" in state
 
 
