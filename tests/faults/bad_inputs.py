@@ -75,7 +75,25 @@ def make_cases(task, root: Path) -> list[Case]:
         Case("chat template sandbox escape", ["data.chat_template='{{ messages.__class__.__mro__ }}'"]),
         Case("chat template empty render", ["data.chat_template='{% for m in messages %}{% endfor %}'"]),
         Case("chat template constant", ["data.chat_template='{{ \"hello\" }}'"]),
+        Case("unknown key", ["trainer.no_such_key=1"]),
+        Case("learning rate nan", ["actor_rollout_ref.actor.optim.lr=nan"]),
+        Case("rollout.n 0", ["actor_rollout_ref.rollout.n=0"]),
+        Case("negative steps", ["trainer.total_training_steps=-1"]),
+        Case("unknown logger", ["trainer.logger=[nope]"]),
+        Case("missing model", [f"actor_rollout_ref.model.path={root / 'no_model'}"]),
+        Case("missing data", [f"data.train_files={root / 'no_data.parquet'}"]),
+        Case("missing reward file", [f"custom_reward_function.path={root / 'no_reward.py'}"]),
+        Case(
+            "resume path not a checkpoint",
+            ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={root}"],
+        ),
     ]
+    not_parquet = root / "not_parquet.parquet"
+    not_parquet.write_text("this is not parquet\n")
+    cases.append(Case("data file not parquet", [f"data.train_files={not_parquet}"]))
+    not_json = root / "bad.jsonl"
+    not_json.write_text('{"prompt": "1+1=", \n')
+    cases.append(Case("data file not JSON lines", [f"data.train_files={not_json}"]))
     model = _model_copy(task, root, "remote_code")
     _edit_config(model, model_type="tearless_remote", auto_map={"AutoModelForCausalLM": "modeling_x.Model"})
     (model / "modeling_x.py").write_text("open('/tmp/tearless-bad-input-remote-code-ran', 'w').close()\n")
