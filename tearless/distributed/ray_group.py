@@ -37,6 +37,7 @@ from tearless.workers.rank import Rank
 from tearless.workers.spec import RankSpec
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_POLL_S = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -171,7 +172,12 @@ def wait_all(pending: list[tuple[Any, Pool, int]], what: str, timeout_s: float) 
             pool.close()
 
     while waiting:
-        ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        # Short waits: a signal's Python handler (SIGTERM, Ctrl-C: tearless.cli) runs only between
+        # them, and one wait may last trainer.worker_timeout_s.
+        left = max(0.0, deadline - time.monotonic())
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=min(_POLL_S, left))
+        if not ready and left > _POLL_S:
+            continue
         if not ready:
             late = ", ".join(pending[refs[w]][1].label(pending[refs[w]][2]) for w in waiting)
             stop()
