@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tearless.config import Config, to_dict
+from tearless.distributed import reaper
 from tearless.workers.group import WorkerGroup
 from tearless.workers.rank import Rank
 from tearless.workers.spec import RankSpec
@@ -68,6 +69,7 @@ def ensure_ray(cfg: Config, num_workers: int) -> None:
     else:
         needed = num_workers * cfg.trainer.num_cpus_per_worker
         ray.init(num_cpus=ri.num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+        reaper.start()  # the local cluster ends with this process, even after a SIGKILL
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             if callable(handler):
