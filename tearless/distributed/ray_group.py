@@ -39,6 +39,7 @@ from tearless.workers.spec import RankSpec
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _POLL_S = 0.5
+_CLOSE_S = 10.0
 
 
 class WorkerError(RuntimeError):
@@ -337,10 +338,13 @@ class RayWorkers(WorkerGroup):
         self.receives = [p for p in self.receives if p[0] not in done]
 
     def close(self) -> None:
+        """Ask every rank to close, for at most :data:`_CLOSE_S`, then kill the actors. The bound
+        matters when a signal stops the run mid-call: a rank still inside it (a reward that hangs)
+        would take the close only after that call, or after trainer.worker_timeout_s."""
         for pool in self.pools.values():
             try:
                 if pool.handles:
-                    pool.call("close", [()] * pool.world, "close")
+                    wait_all(pool.submit("close", [()] * pool.world), "close", min(pool.timeout_s, _CLOSE_S))
             except WorkerError:
-                pass  # the pool was stopped by the failure; nothing left to close
+                pass  # the pool was stopped by the failure or the bound; nothing left to close
             pool.close()
