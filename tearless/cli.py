@@ -38,10 +38,16 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# The signal that stopped the command, if one did: raised inside C code (Ray's wait), Stopped can
+# come back wrapped (SystemError: "returned a result with an exception set"), still a stop.
+_received: list[int] = []
+
+
 def _stop(signum: int, _frame: object) -> None:
     # Once: a second signal during the clean-up would cut the clean-up short.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    _received.append(signum)
     raise Stopped(signum)
 
 
@@ -114,23 +120,30 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(os.environ.get(DEBUG_ENV)) or argv[:1] == ["--debug"]
     if argv[:1] == ["--debug"]:
         argv = argv[1:]
+    _received.clear()
     with _signals_stop_the_run():
         try:
             return _main(argv)
         except Stopped as e:
-            _shutdown_ray()
-            print(
-                f"tearless: stopped by {e}; the reward and Ray workers were stopped. The newest complete "
-                "checkpoint is intact: rerun with trainer.resume_mode=auto to continue",
-                file=sys.stderr,
-            )
-            return 128 + e.signum
+            return _stopped(e.signum)
         except Exception as e:
+            if _received:
+                return _stopped(_received[0])
             if debug:
                 raise
             _shutdown_ray()
             print(f"tearless: error: {one_line(e)} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
             return 1
+
+
+def _stopped(signum: int) -> int:
+    _shutdown_ray()
+    print(
+        f"tearless: stopped by {signal.Signals(signum).name}; the reward and Ray workers were stopped. The "
+        "newest complete checkpoint is intact: rerun with trainer.resume_mode=auto to continue",
+        file=sys.stderr,
+    )
+    return 128 + signum
 
 
 def one_line(exc: BaseException) -> str:
