@@ -10,8 +10,11 @@ After every kill the run directory is checked (:func:`tests.faults.chain.check_r
 of every run its checkpoints, metrics and rollout samples must equal an uninterrupted run's exactly.
 3. Soak: ``--soak-steps`` steps with the trainer's RSS, its reward workers' RSS, open files and child
    processes measured after every step.
+4. ``--bad-inputs``: only the bad-input campaign (:mod:`tests.faults.bad_inputs`): every case as a
+   real ``tearless train`` process, classified one-line / traceback / silent / hang, and the counts.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/reliability.py
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/reliability.py --bad-inputs
 
 The task is built (or reused) in ``$TEARLESS_TEST_TASK_CACHE`` (default: a temporary directory).
 """
@@ -33,6 +36,7 @@ from tearless import faults, train
 from tearless.tasks.bootstrap import TaskSpec, prepare_task
 from tests.conftest import TASK_SPEC
 from tests.faults import chain
+from tests.faults.bad_inputs import make_cases, run_case
 from tests.faults.soak import growth, soak
 
 
@@ -51,6 +55,8 @@ def main() -> None:
     parser.add_argument("--kills-per-run", type=int, default=3)
     parser.add_argument("--soak-steps", type=int, default=500, help="0: no soak")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bad-inputs", action="store_true", help="only the bad-input campaign")
+    parser.add_argument("--case-limit-s", type=float, default=300.0, help="bad-input case: a hang past it")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tearless-reliability-"))
     cache = os.environ.get("TEARLESS_TEST_TASK_CACHE") or str(root / "task")
@@ -59,6 +65,9 @@ def main() -> None:
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"python {platform.python_version()}"
     )
+    if args.bad_inputs:
+        bad_inputs(task, root, args.case_limit_s)
+        return
 
     reference = root / "uninterrupted"
     train(None, chain.run_args(task, reference), log=lambda _: None)
@@ -103,6 +112,20 @@ def main() -> None:
         f"max {max(rss):.1f}); reward workers {growth(series['workers_rss_mb'], warmup):+.1f} MiB; "
         f"open files {int(min(series['fds']))}-{int(max(series['fds']))}; "
         f"reward processes {sorted({int(c) for c in series['children']})}"
+    )
+
+
+def bad_inputs(task, root: Path, limit_s: float) -> None:
+    """Run every bad-input case; print one line per case and the counts per class."""
+    counts: dict[str, int] = {"one-line": 0, "traceback": 0, "silent": 0, "hang": 0}
+    cases = make_cases(task, root / "inputs")
+    for i, case in enumerate(cases):
+        kind, last, seconds = run_case(case, task, root / f"case-{i}", limit_s)
+        counts[kind] += 1
+        print(f"{kind:9} {seconds:6.1f} s  {case.name}: {last}", flush=True)
+    print(
+        f"bad inputs tried: {len(cases)}; one-line errors {counts['one-line']}, tracebacks "
+        f"{counts['traceback']}, silent {counts['silent']}, hangs {counts['hang']}"
     )
 
 

@@ -6,12 +6,71 @@ dataset with the validation metrics), ``sft`` and ``dpo`` (the offline trainers)
 ``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
 and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
 Heavy imports happen inside the commands so ``tearless --help`` is quick.
+
+Every refusal is one line on stderr (``tearless: error: …``), exit code 1 (2 for a config error): the
+explained errors print their own message, and any other exception prints its type and the first line
+of its message, with the traceback only under ``TEARLESS_DEBUG=1`` (or ``tearless --debug …``).
+SIGTERM (a scheduler's preemption or time limit) is handled like SIGINT: the run stops where it is,
+the reward workers and Ray workers are stopped, a Ray cluster this process started is shut down, and
+the exit code is 128 + the signal (143 for SIGTERM, 130 for SIGINT); the newest complete checkpoint is
+intact and ``trainer.resume_mode=auto`` continues from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+
+DEBUG_ENV = "TEARLESS_DEBUG"
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived; a BaseException like KeyboardInterrupt, so that no ``except
+    Exception`` on the way up swallows it, while every ``finally`` (pool, workers, trackers) runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# The signal that stopped the command, if one did: raised inside C code (Ray's wait), Stopped can
+# come back wrapped (SystemError: "returned a result with an exception set"), still a stop.
+_received: list[int] = []
+
+
+def _stop(signum: int, _frame: object) -> None:
+    # Once: a second signal during the clean-up would cut the clean-up short.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    _received.append(signum)
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _signals_stop_the_run() -> Iterator[None]:
+    """SIGTERM and SIGINT raise :class:`Stopped` in the main thread while the command runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _shutdown_ray() -> None:
+    """Shut down Ray if this process joined or started it (its workers and a local cluster end with
+    it); without this a signal's exit went through Ray's C++ stack dump and exit code -6."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     from tearless import __version__
 
     p.add_argument("--version", action="version", version=f"tearless {__version__}")
+    p.add_argument(
+        "--debug", action="store_true", help=f"print the traceback of an error (also: {DEBUG_ENV}=1)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser(
         "train", help="run RL training (default: GRPO on the embedded arithmetic task)", add_help=False
@@ -53,6 +115,48 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; see the module docs for exit codes, signals and ``TEARLESS_DEBUG``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(os.environ.get(DEBUG_ENV)) or argv[:1] == ["--debug"]
+    if argv[:1] == ["--debug"]:
+        argv = argv[1:]
+    _received.clear()
+    with _signals_stop_the_run():
+        try:
+            return _main(argv)
+        except Stopped as e:
+            return _stopped(e.signum)
+        except Exception as e:
+            if _received:
+                return _stopped(_received[0])
+            if debug:
+                raise
+            _shutdown_ray()
+            print(f"tearless: error: {one_line(e)} (set {DEBUG_ENV}=1 for the traceback)", file=sys.stderr)
+            return 1
+
+
+def _stopped(signum: int) -> int:
+    _shutdown_ray()
+    print(
+        f"tearless: stopped by {signal.Signals(signum).name}; the reward and Ray workers were stopped. The "
+        "newest complete checkpoint is intact: rerun with trainer.resume_mode=auto to continue",
+        file=sys.stderr,
+    )
+    return 128 + signum
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line`` of an exception's message; when the message carries a traceback of its
+    own (a Ray worker's failure), its last line too: the remote exception, the part worth reading."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+        text += f" … {lines[-1]}"
+    return text[:1000]
+
+
+def _main(argv: list[str]) -> int:
     parser = _parser()
     # Overrides may come before and after options (``train a=1 --preset dapo b=2``); argparse leaves
     # the later ones unparsed, so they are collected here.
@@ -369,11 +473,14 @@ def _report(args: argparse.Namespace) -> int:
     directory that is not a run."""
     from tearless.report.html import RunDirError, compare, write_report
 
+    def warn(message: str) -> None:
+        print(f"tearless: warning: {message}", file=sys.stderr)
+
     try:
         if args.command == "report":
-            page = write_report(args.run_dir, args.out)
+            page = write_report(args.run_dir, args.out, log=warn)
         else:
-            page = compare(args.run_dirs, args.out)
+            page = compare(args.run_dirs, args.out, log=warn)
     except RunDirError as e:
         print(f"tearless: {e}", file=sys.stderr)
         return 2

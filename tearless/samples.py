@@ -3,7 +3,10 @@
 Uses rich when it is installed (a panel per sample), plain text otherwise; the content is the same.
 Model output is untrusted text: control characters (terminal escape sequences, carriage returns,
 backspaces, the C1 controls) are printed as visible ``\\x1b``-style escapes, never sent to the
-terminal, so a response cannot recolour, rewrite or hide what is printed around it.
+terminal, so a response cannot recolour, rewrite or hide what is printed around it; Unicode format
+characters (bidi overrides and isolates, zero-width characters, the byte-order mark, tag characters),
+line and paragraph separators, surrogates, private-use and unassigned code points likewise become
+``\\u202e``-style escapes, so a response cannot render reversed or hide text.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import os
 import re
 import sys
+import unicodedata
 from pathlib import Path
 from typing import TextIO
 
@@ -19,11 +23,21 @@ from tearless.trainers.records import ROLLOUTS_FILE, read_records
 
 # C0 controls but tab and newline, DEL, and the C1 controls (U+0080–U+009F: 8-bit CSI and friends).
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# Unicode categories that change how text around them renders, or render as nothing.
+_HIDDEN = frozenset(("Cf", "Cs", "Co", "Cn", "Zl", "Zp"))
 
 
 def visible(text: str) -> str:
-    r"""``text`` with every control character but tab and newline written as ``\xNN``."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    r"""``text`` with every control character but tab and newline written as ``\xNN``, and every
+    character of :data:`_HIDDEN`'s categories as ``\uNNNN`` (``\UNNNNNNNN`` beyond the BMP)."""
+    text = _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    if text.isascii():
+        return text
+    return "".join(_escape(c) if ord(c) > 0x9F and unicodedata.category(c) in _HIDDEN else c for c in text)
+
+
+def _escape(c: str) -> str:
+    return f"\\u{ord(c):04x}" if ord(c) <= 0xFFFF else f"\\U{ord(c):08x}"
 
 
 def select_samples(

@@ -111,3 +111,30 @@ def test_terminal_escapes_in_model_output_are_printed_visibly(use_rich):
     assert not any(c in out for c in "\x1b\r\x07\x9b")
     assert "\\x1b[2J\\x1b[31mfake score 1.0\\x1b[0m\\x0dX\\x9b0m" in out
     assert "arith\\x1b]0;t\\x07" in out
+
+
+@pytest.mark.parametrize("use_rich", [False, True])
+def test_unicode_format_characters_in_model_output_are_printed_visibly(use_rich):
+    # Issue 33: a right-to-left override renders the rest of the line reversed, zero-width characters
+    # and the line separator hide or split text; all are escaped, while ordinary non-ASCII stays.
+    hostile = record(
+        1,
+        "1+1=",
+        "answer \u202e2=1+1\u202c is\u200b\u200d\u2066 ok\u2028\ufeffx\U000e0041 héllo 数学 ✓",
+        0.0,
+        "a\u2067b",
+    )
+    stream = io.StringIO()
+    print_samples([hostile], stream=stream, use_rich=use_rich)
+    out = stream.getvalue()
+    for c in "\u202e\u202c\u200b\u200d\u2066\u2067\u2028\ufeff\U000e0041":
+        assert c not in out
+    # Short pieces: rich wraps a long response inside its panel.
+    for piece in (
+        "\\u202e2=1+1\\u202c",
+        "\\u200b\\u200d\\u2066",
+        "\\u2028\\ufeffx\\U000e0041",
+        "héllo 数学 ✓",
+    ):
+        assert piece in out, piece
+    assert "a\\u2067b" in out

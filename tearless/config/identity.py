@@ -10,6 +10,15 @@ bring-your-own-model run no longer share ``runs/tearless/default``):
 - otherwise ``<model>-<data>-<adv_estimator>-<hash>``: the model directory's name, the first
   training file's stem, and six hex digits of a hash of every identity value (absolute paths), so
   two models that share a directory name still differ, e.g. ``Qwen2.5-0.5B-train-grpo-3f9a1c``.
+
+Paths alone do not make a run: a model's weights or a data file rewritten in place keep their path.
+:func:`fingerprints` records, for every file of the :data:`PATH_KEYS` (a directory's files, not its
+subdirectories), its size, modification time and a SHA-256 of its content (of all of it up to
+:data:`FULL_HASH_BYTES`, else of :data:`_SAMPLES` evenly spaced 1 MiB blocks with the first and the
+last: a safetensors file's header and its first and last tensors among them), so hashing a 15 GB
+model costs milliseconds. A checkpoint keeps them; :func:`fingerprint_changes` says what changed on
+resume. A file whose modification time moved but whose size and hash did not (a copy, a ``touch``) is
+the same file.
 """
 
 from __future__ import annotations
@@ -40,6 +49,71 @@ PATH_KEYS = (
     "data.train_files",
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+FULL_HASH_BYTES = 64 << 20
+_BLOCK = 1 << 20
+_SAMPLES = 16
+
+
+def file_fingerprint(path: str) -> dict[str, Any]:
+    """``{"size", "mtime_ns", "sha256"}`` of one file (see the module docs for what is hashed)."""
+    st = os.stat(path)
+    digest = hashlib.sha256(str(st.st_size).encode())
+    with open(path, "rb") as f:
+        if st.st_size <= FULL_HASH_BYTES:
+            while chunk := f.read(_BLOCK):
+                digest.update(chunk)
+        else:
+            last = st.st_size - _BLOCK
+            for i in range(_SAMPLES):
+                f.seek(last * i // (_SAMPLES - 1))
+                digest.update(f.read(_BLOCK))
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest.hexdigest()}
+
+
+def fingerprints(paths: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{key: {file: file_fingerprint(file)}}`` for each key's path or paths (a directory: the
+    regular files directly in it, hidden ones aside). A path that is not on this machine (a hub id)
+    has none."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, value in paths.items():
+        if value is None:
+            continue
+        files: dict[str, dict[str, Any]] = {}
+        for path in value if isinstance(value, (list, tuple)) else [value]:
+            path = os.path.realpath(os.path.expanduser(str(path)))
+            if os.path.isdir(path):
+                names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+                inside = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n))]
+            else:
+                inside = [path] if os.path.isfile(path) else []
+            for file in inside:
+                files[file] = file_fingerprint(file)
+        out[key] = files
+    return out
+
+
+def fingerprint_changes(saved: Any, current: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """What differs between a checkpoint's :func:`fingerprints` and the current ones: a file whose size
+    or content hash changed, that is gone, or that is new, per key both sides have. ``saved`` from a
+    checkpoint without fingerprints (an older tearless), or not of their form, compares as nothing."""
+    if not isinstance(saved, dict):
+        return []
+    changes = []
+    for key in sorted(set(saved) & set(current)):
+        old, new = saved[key], current[key]
+        if not isinstance(old, dict):
+            continue
+        for file in sorted(set(old) | set(new)):
+            before, now = old.get(file), new.get(file)
+            if not isinstance(before, dict):
+                changes.append(f"{key}: {file} is new")
+            elif now is None:
+                changes.append(f"{key}: {file} is gone")
+            elif before.get("size") != now["size"]:
+                changes.append(f"{key}: {file} changed ({before.get('size')} bytes then, {now['size']} now)")
+            elif before.get("sha256") != now["sha256"]:
+                changes.append(f"{key}: {file} changed (same size, different content)")
+    return changes
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -69,6 +69,11 @@ def validate(cfg: Config) -> None:
         _positive(key, value)
     _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
     _positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
+    _positive("trainer.num_threads", cfg.trainer.num_threads, allow_zero=True)
+    # torch.manual_seed takes at most 2**64 - 1 and a seed past 2**63 - 1 overflows the samplers' keys.
+    for key, seed in (("trainer.seed", cfg.trainer.seed), ("data.seed", data.seed)):
+        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+            _fail(key, f"must be an integer in [0, 2**63 - 1], got {seed!r}", "Use a seed in that range.")
     # Sanity bounds: past them a typo (an extra zero or three) would allocate for minutes, then fail.
     if n > MAX_ROLLOUT_N:
         _fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound "

@@ -3,17 +3,154 @@
 The policy mirrors veRL's ``data.max_prompt_length``, ``data.truncation`` and
 ``data.filter_overlong_prompts``: an overlong prompt is an error by default, because silently cutting
 a question usually cuts the part the reward depends on.
+
+A chat template is checked once, before the first prompt is rendered (:func:`check_chat_template`):
+``data.chat_template`` must be a string holding Jinja syntax (``123``, ``true`` or a file path
+rendered every prompt to that literal text), and the template in use (the user's, or the one a
+model directory brought: untrusted input) must render two probe conversations within
+:data:`TEMPLATE_BUDGET_S` seconds in a child process, differently (a render that ignores the
+messages trains on one constant prompt) and not to nothing.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
+import re
+import select
+import signal
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from tearless.data.rows import DataError, normalize_row
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
+# Seconds the first render of a chat template may take (two short conversations take milliseconds).
+TEMPLATE_BUDGET_S = 10.0
+_PROBES = (
+    [{"role": "user", "content": "What is 17 + 25?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+)
+_TEMPLATE_FILE = re.compile(r"\.(jinja2?|j2|tmpl|txt|template)$", re.IGNORECASE)
+
+
+def check_chat_template(
+    tokenizer: Any, chat_template: Any = None, template_kwargs: dict | None = None
+) -> None:
+    """Raise :class:`DataError` (one line naming the key and the fix) unless the chat template in use
+    (``chat_template``, the user's ``data.chat_template``, or else the tokenizer's own) is a Jinja
+    template that renders two different probe conversations to two different, non-empty texts within
+    :data:`TEMPLATE_BUDGET_S` seconds (see the module docs)."""
+    if chat_template is not None:
+        key = "data.chat_template"
+        if not isinstance(chat_template, str):
+            raise DataError(
+                f"{key} must be a Jinja template (a string), got {type(chat_template).__name__}: "
+                f"{chat_template!r:.60}; give the template's text, or null for the tokenizer's own"
+            )
+        if "{{" not in chat_template and "{%" not in chat_template:
+            text = chat_template.strip()
+            if "\n" not in text and (os.path.exists(text) or _TEMPLATE_FILE.search(text) or os.sep in text):
+                raise DataError(
+                    f"{key}={text!r} is a file path, not a template: pass the file's content, e.g. "
+                    f'{key}="$(cat {text})" on the command line (in YAML, the template text itself)'
+                )
+            raise DataError(
+                f"{key}={text[:60]!r} is not a Jinja template (no {{{{ }}}} or {{% %}}): every prompt "
+                "would render to that text. Give the template itself, or null for the tokenizer's own"
+            )
+    else:
+        key = "the tokenizer's chat template"
+    outcome = _probe_in_child(tokenizer, chat_template, template_kwargs or {})
+    if "timeout" in outcome:
+        raise DataError(
+            f"{key} did not render two short probe conversations within {TEMPLATE_BUDGET_S:g} s (a loop "
+            "that never ends?); a model directory's template is untrusted input. Fix the template, or "
+            "give a working one with data.chat_template"
+        )
+    if "error" in outcome:
+        raise DataError(
+            f"{key} does not render: {outcome['error']}; fix it, or give one with data.chat_template"
+        )
+    if not outcome["nonempty"]:
+        raise DataError(f"{key} renders nothing for a conversation; give a template that writes the messages")
+    if outcome["same"]:
+        raise DataError(
+            f"{key} renders the same text whatever the messages ({outcome['head']!r}), so every prompt "
+            "would be that text; give a template that writes the messages (e.g. loops over messages)"
+        )
+
+
+def check_vocabulary(tokenizer: Any, model_path: str, key: str) -> None:
+    """Raise :class:`DataError` when the tokenizer has more tokens than the model's embedding has rows
+    (``vocab_size`` of the model directory's ``config.json``): an id past them would index outside
+    it, or the ids the tokenizer adds would never be trained. A model bigger than its tokenizer
+    (padded vocabularies) is fine; a model not on this machine is not checked."""
+    config = os.path.join(str(model_path), "config.json")
+    try:
+        with open(config) as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        return
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and len(tokenizer) > vocab:
+        raise DataError(
+            f"{key}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} "
+            f"(vocab_size in {config}); ids from {vocab} on would index past it. Use the model's own "
+            "tokenizer (drop actor_rollout_ref.model.tokenizer_path), or a model whose vocabulary fits it"
+        )
+
+
+def _probe_in_child(tokenizer: Any, chat_template: str | None, kwargs: dict) -> dict:
+    """Render :data:`_PROBES` in a forked child, killed after :data:`TEMPLATE_BUDGET_S` seconds:
+    Jinja runs Python that cannot be interrupted from another thread. Returns ``{"timeout": True}``,
+    ``{"error": why}`` or ``{"same": …, "nonempty": …, "head": …}``."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: render, write one JSON line, exit without running the parent's cleanup
+        try:
+            os.close(read_end)
+            try:
+                texts = [
+                    tokenizer.apply_chat_template(
+                        p, chat_template=chat_template, add_generation_prompt=True, tokenize=False, **kwargs
+                    )
+                    for p in _PROBES
+                ]
+                if not all(isinstance(t, str) for t in texts):
+                    raise TypeError(f"it rendered {type(texts[0]).__name__}, not text")
+                result = {
+                    "same": texts[0] == texts[1],
+                    "nonempty": bool(texts[0].strip()),
+                    "head": texts[0][:60],
+                }
+            except Exception as e:  # anything the template raises is the user's error to read
+                first = next(iter(str(e).strip().splitlines()), "")
+                result = {"error": f"{type(e).__name__}: {first[:200]}"}
+            os.write(write_end, json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    chunks = []
+    deadline = time.monotonic() + TEMPLATE_BUDGET_S
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([read_end], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                return {"timeout": True}
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    try:
+        return json.loads(b"".join(chunks))
+    except ValueError:
+        return {"error": "the render's process died"}
 
 
 def render_prompt(
@@ -122,10 +259,18 @@ class PromptDataset:
         self.num_unknown = 0
         unk = getattr(tokenizer, "unk_token_id", None)
         self._items: list[dict] = []
+        checked = False
         for index, row in enumerate(rows):
             # A string prompt is plain text, fed as is; normalize_row makes it a user message for the
             # rest of the pipeline (rewards, records) and keeps the text in prompt_text.
             row = normalize_row(row, where=f"{source}: row {index}")
+            if (
+                not checked
+                and not row.get("prompt_text")
+                and (chat_template is not None or getattr(tokenizer, "chat_template", None) is not None)
+            ):
+                check_chat_template(tokenizer, chat_template, template_kwargs)
+                checked = True
             ids = render_prompt(
                 tokenizer,
                 row.get("prompt_text") or row["prompt"],

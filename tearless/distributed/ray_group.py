@@ -24,17 +24,22 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tearless.config import Config, to_dict
+from tearless.distributed import reaper
 from tearless.workers.group import WorkerGroup
 from tearless.workers.rank import Rank
 from tearless.workers.spec import RankSpec
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_POLL_S = 0.5
+_CLOSE_S = 10.0
 
 
 class WorkerError(RuntimeError):
@@ -57,11 +62,19 @@ def ensure_ray(cfg: Config, num_workers: int) -> None:
     runtime_env = to_dict(ri.runtime_env)
     if runtime_env.get("env_vars"):
         kwargs["runtime_env"] = {"env_vars": {k: str(v) for k, v in runtime_env["env_vars"].items()}}
+    # ray.init installs its C++ failure-signal handler for SIGTERM over the Python one: a SIGTERM then
+    # printed a stack dump and exited -6 instead of reaching the CLI's clean stop (tearless.cli).
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if address:
         ray.init(address=address, **kwargs)
     else:
         needed = num_workers * cfg.trainer.num_cpus_per_worker
         ray.init(num_cpus=ri.num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+        reaper.start()  # the local cluster ends with this process, even after a SIGKILL
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in handlers.items():
+            if callable(handler):
+                signal.signal(sig, handler)
 
 
 class Pool:
@@ -164,7 +177,12 @@ def wait_all(pending: list[tuple[Any, Pool, int]], what: str, timeout_s: float) 
             pool.close()
 
     while waiting:
-        ready, waiting = ray.wait(waiting, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        # Short waits: a signal's Python handler (SIGTERM, Ctrl-C: tearless.cli) runs only between
+        # them, and one wait may last trainer.worker_timeout_s.
+        left = max(0.0, deadline - time.monotonic())
+        ready, waiting = ray.wait(waiting, num_returns=1, timeout=min(_POLL_S, left))
+        if not ready and left > _POLL_S:
+            continue
         if not ready:
             late = ", ".join(pending[refs[w]][1].label(pending[refs[w]][2]) for w in waiting)
             stop()
@@ -323,10 +341,13 @@ class RayWorkers(WorkerGroup):
         self.receives = [p for p in self.receives if p[0] not in done]
 
     def close(self) -> None:
+        """Ask every rank to close, for at most :data:`_CLOSE_S`, then kill the actors. The bound
+        matters when a signal stops the run mid-call: a rank still inside it (a reward that hangs)
+        would take the close only after that call, or after trainer.worker_timeout_s."""
         for pool in self.pools.values():
             try:
                 if pool.handles:
-                    pool.call("close", [()] * pool.world, "close")
+                    wait_all(pool.submit("close", [()] * pool.world), "close", min(pool.timeout_s, _CLOSE_S))
             except WorkerError:
-                pass  # the pool was stopped by the failure; nothing left to close
+                pass  # the pool was stopped by the failure or the bound; nothing left to close
             pool.close()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import base64
 import html
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from tearless.report.diagnose import Diagnosis, History, diagnose, step_ranges
 from tearless.report.plots import Plot, draw_panels, same_as_mean
-from tearless.trainers.tracking import read_metrics
+from tearless.trainers.tracking import read_metrics_counted, skipped_lines_message
 
 # Config keys a reader wants first; the whole config is in the run's config.json.
 CONFIG_HIGHLIGHTS = (
@@ -48,16 +48,47 @@ class RunDirError(FileNotFoundError):
     """The directory is not a run directory (it has no metrics.jsonl)."""
 
 
-def load_run(run_dir: str | Path) -> tuple[list[dict], dict]:
-    """The run's metric history (sorted by step) and its config (empty when there is no config.json)."""
+def load_run(run_dir: str | Path, log: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
+    """The run's metric history (sorted by step) and its config (empty when there is no config.json).
+
+    What the page cannot use is skipped and counted, never fatal (``log`` gets one line for each
+    kind): lines of ``metrics.jsonl`` that are not metrics records
+    (:func:`~tearless.trainers.tracking.read_metrics_counted`), metric values that are not numbers,
+    and a ``config.json`` that is not a JSON object."""
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise RunDirError(f"{run}: no metrics.jsonl here; pass a run directory (trainer.default_local_dir)")
-    history = sorted(read_metrics(metrics), key=lambda r: r.get("step", 0))
+    records, skipped = read_metrics_counted(metrics)
+    if skipped and log is not None:
+        log(skipped_lines_message(metrics, skipped))
+    history, dropped = [], []
+    for record in records:
+        numbers = {k: v for k, v in record.items() if _is_number(v)}
+        dropped += [k for k in record if k not in numbers]
+        history.append(numbers)
+    if dropped and log is not None:
+        names = ", ".join(sorted(set(dropped))[:5])
+        what = "value that is not a number" if len(dropped) == 1 else "values that are not numbers"
+        log(f"ignored {len(dropped)} {what} in {metrics} ({names})")
+    history.sort(key=lambda r: r["step"])
     config_file = run / "config.json"
-    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    try:
+        config = json.loads(config_file.read_bytes()) if config_file.is_file() else {}
+    except (ValueError, RecursionError) as e:
+        config = None
+        why = str(e)[:80]
+    else:
+        why = "not a JSON object"
+    if not isinstance(config, dict):
+        if log is not None:
+            log(f"ignored {config_file} ({why}): the summary shows no config values")
+        config = {}
     return history, config
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _lookup(config: Mapping, dotted: str) -> object:
@@ -158,13 +189,16 @@ def _page(title: str, body: str) -> str:
     )
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, log: Callable[[str], None] | None = None
+) -> Path:
     """Write the report of ``run_dir`` to ``out`` (default ``RUN_DIR/report.html``); return its path.
 
-    Raises :class:`RunDirError` when ``run_dir`` has no ``metrics.jsonl``.
+    Raises :class:`RunDirError` when ``run_dir`` has no ``metrics.jsonl``; ``log`` gets a line for
+    what was skipped (:func:`load_run`).
     """
     run = Path(run_dir)
-    history, config = load_run(run)
+    history, config = load_run(run, log)
     page = Path(out) if out is not None else run / "report.html"
     page.parent.mkdir(parents=True, exist_ok=True)
     plots = draw_panels({run.name: history}, page.parent / "report")
@@ -173,15 +207,18 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return page
 
 
-def compare(run_dirs: Sequence[str | Path], out: str | Path) -> Path:
+def compare(
+    run_dirs: Sequence[str | Path], out: str | Path, log: Callable[[str], None] | None = None
+) -> Path:
     """Overlay the metrics of several runs on one page at ``out``; return its path.
 
-    Runs are labelled by directory name (by path and position where two names are the same).
+    Runs are labelled by directory name (by path and position where two names are the same); ``log``
+    gets a line for what was skipped (:func:`load_run`).
     """
     runs = [Path(r) for r in run_dirs]
     names = [r.name for r in runs]
     labels = [r.name if names.count(r.name) == 1 else f"{r} (#{i + 1})" for i, r in enumerate(runs)]
-    loaded = {label: load_run(run) for label, run in zip(labels, runs, strict=True)}
+    loaded = {label: load_run(run, log) for label, run in zip(labels, runs, strict=True)}
     page = Path(out)
     page.parent.mkdir(parents=True, exist_ok=True)
     plots = draw_panels({label: h for label, (h, _) in loaded.items()}, page.parent / "compare")

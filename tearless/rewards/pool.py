@@ -23,6 +23,7 @@ and the sample scored again).
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import multiprocessing
@@ -30,6 +31,7 @@ import numbers
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections import deque
@@ -47,12 +49,15 @@ _CHUNKS_PER_WORKER = 4
 _MAX_CHUNK = 64
 # How long a worker waits for work before checking that its parent is still alive.
 _PARENT_CHECK_S = 1.0
+# How often a worker's watchdog thread checks for its parent while a sample runs.
+_WATCHDOG_S = 0.5
 # SIGKILL'd processes exit at once; this only bounds the wait for one stuck in the kernel.
 _REAP_TIMEOUT_S = 5.0
 # A score beyond this magnitude is a bug, not a reward: it would overflow float32 (1e39 reached the
 # logs as Infinity) or swamp every other sample's advantage.
 MAX_ABS_SCORE = 1e6
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 
 
 def evaluate(
@@ -233,7 +238,9 @@ def _well_formed(message: Any, expected: int) -> bool:
     return outcome[0] in ("err", "fatal") and len(outcome) == 2 and isinstance(outcome[1], str)
 
 
-def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, to_close: list) -> None:
+def _worker_main(
+    conn: Connection, score_fn: Callable[..., Any], kwargs: dict, to_close: list, parent: int, pdeathsig: bool
+) -> None:
     # The fork copied the parent's ends of every pipe; holding them would keep other workers (and
     # this one) from seeing end-of-file when the parent goes away.
     for other in to_close:
@@ -243,11 +250,11 @@ def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, t
     # Its own process group and a subreaper: whatever a sample forks stays findable (see kill_tree).
     os.setpgid(0, 0)
     _set_subreaper()
+    _die_with(parent, pdeathsig)
     # Several workers each running torch's full intra-op thread pool would oversubscribe the cores,
     # and an OpenMP pool used before the fork can deadlock in the child.
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
-    parent = os.getppid()
     while True:
         if not conn.poll(_PARENT_CHECK_S):
             if os.getppid() != parent:
@@ -266,9 +273,36 @@ def _worker_main(conn: Connection, score_fn: Callable[..., Any], kwargs: dict, t
             conn.send((index, outcome))
 
 
-def _set_subreaper() -> None:
-    import ctypes
+def _die_with(parent: int, pdeathsig: bool) -> None:
+    """Make this worker end (with what its sample started) when ``parent`` does: SIGTERM on its death
+    (``pdeathsig``: the pool was made in the parent's main thread), and a watchdog thread."""
+    signal.signal(signal.SIGTERM, lambda *_: _end_worker())
+    if pdeathsig:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the watchdog alone
+            pass
+    if os.getppid() != parent:  # it died before the signal was armed
+        _end_worker()
 
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_WATCHDOG_S)
+        _end_worker()
+
+    threading.Thread(target=watch, name="tearless-reward-watchdog", daemon=True).start()
+
+
+def _end_worker() -> None:
+    """Kill this worker's descendants and its process group (itself last); never returns."""
+    kill_tree(os.getpid(), include_root=False)
+    try:
+        os.killpg(os.getpid(), signal.SIGKILL)
+    finally:
+        os._exit(1)
+
+
+def _set_subreaper() -> None:
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: leftovers are found by process group only
@@ -427,9 +461,10 @@ class WorkerPool:
     def _spawn(self) -> _Worker:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         to_close = [w.conn for w in self._workers] + [parent_end]
+        main_thread = threading.current_thread() is threading.main_thread()
         process = self._ctx.Process(
             target=_worker_main,
-            args=(child_end, self._score_fn, self._kwargs, to_close),
+            args=(child_end, self._score_fn, self._kwargs, to_close, os.getpid(), main_thread),
             name="tearless-reward-worker",
             daemon=True,
         )

@@ -85,6 +85,25 @@ class Action:
     problem: str = ""
 
 
+@dataclass
+class _Unparsed:
+    why: str
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)``, or :class:`_Unparsed` saying why not. Model output is untrusted: besides
+    ``JSONDecodeError``, ``json`` raises ``ValueError`` for an integer literal over 4,300 digits and
+    ``RecursionError`` for deep nesting, and none of them may end the rollout."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return _Unparsed(e.msg)
+    except ValueError:
+        return _Unparsed("a number too long to read")
+    except RecursionError:
+        return _Unparsed("nested too deeply")
+
+
 class SearchR1Format:
     """Tag calls (``<search>q</search>``), results in ``<information>…</information>``."""
 
@@ -168,18 +187,18 @@ class HermesFormat:
             return Action("answer")
         calls = []
         for block in blocks:
-            try:
-                call = json.loads(block)
-            except json.JSONDecodeError as e:
-                return Action("invalid", problem=f"tool call is not valid JSON ({e.msg})")
+            call = _loads(block)
+            if isinstance(call, _Unparsed):
+                return Action("invalid", problem=f"tool call is not valid JSON ({call.why})")
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
                 return Action("invalid", problem='a tool call needs {"name": ..., "arguments": {...}}')
             arguments = call.get("arguments", {})
             if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except json.JSONDecodeError as e:
-                    return Action("invalid", problem=f"arguments are not valid JSON ({e.msg})")
+                arguments = _loads(arguments)
+                if isinstance(arguments, _Unparsed):
+                    return Action("invalid", problem=f"arguments are not valid JSON ({arguments.why})")
+            if not isinstance(arguments, dict):
+                return Action("invalid", problem='"arguments" must be a JSON object {"name": value, ...}')
             calls.append(ToolCall(call["name"], arguments))
         return Action("calls", calls)
 
@@ -285,7 +304,7 @@ class AgentLoop:
                 r.mask += [1] * len(new)
                 r.logps += logps
                 r.turns += 1
-                action = self.fmt.parse(self.tokenizer.decode(new, skip_special_tokens=True))
+                action = self.parse(self.tokenizer.decode(new, skip_special_tokens=True))
                 gave_up = self.fmt.eos_ends_trajectory and bool(new) and new[-1] in self.eos
                 if action.kind == "answer" or gave_up:
                     r.done = True
@@ -301,6 +320,14 @@ class AgentLoop:
                     self._append_env(r, self.fmt.correction_tokens(action.problem), limit)
             self._run_pending(pending, limit)
         return self._assemble(rows)
+
+    def parse(self, text: str) -> Action:
+        """The action of a model turn; total: a parser failure the formats did not foresee is an
+        invalid action for the model (naming the error), never an exception that ends the run."""
+        try:
+            return self.fmt.parse(text)
+        except Exception as e:  # model output is untrusted input: no output may stop training
+            return Action("invalid", problem=f"the turn could not be read ({type(e).__name__})")
 
     def _run_pending(self, pending: list[tuple[_Trajectory, list[ToolCall]]], limit: int) -> None:
         s = self.settings

@@ -39,8 +39,9 @@ import torch
 
 from tearless import faults
 from tearless.models.loading import quiet_transformers
+from tearless.trainers.manifest import STATE_FORMAT, write_manifest
+from tearless.trainers.manifest import CheckpointDamaged as CheckpointDamaged
 from tearless.trainers.manifest import checkpoint_to_resume as _choose
-from tearless.trainers.manifest import write_manifest
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -113,7 +114,7 @@ def save_checkpoint(
         # Through a Python file object, so a failed write raises its OSError (torch's own writer
         # reports "unexpected pos" and loses the errno).
         with open(tmp / "trainer_state.pt", "wb") as f:
-            torch.save(state, f)
+            torch.save({**state, "format": STATE_FORMAT}, f)
         write_manifest(tmp)  # after every other file, before the marker: it covers them all
         (tmp / MARKER).write_text(str(step))
         _fsync_tree(tmp)

@@ -8,7 +8,11 @@ newest complete checkpoint whose files all match and reports each newer one that
 flipped bit, a truncated or missing file), so a damaged newest checkpoint costs the steps since the
 previous one, never a resume with wrong weights or a traceback.
 
-A checkpoint written before manifests existed has none: it is resumed as before, with a warning.
+A checkpoint written before manifests existed has none: it is resumed as before, with a warning. One
+written by a version that writes manifests (its ``trainer_state.pt`` has a ``config`` or a
+``format``: :data:`STATE_FORMAT`, which every checkpoint now carries) must have its manifest, listing
+at least its trainer state and every file in the directory: deleting the manifest, emptying its file
+list or dropping a file from it makes the checkpoint damaged, not unchecked.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 MANIFEST = "MANIFEST.json"
+STATE = "trainer_state.pt"
+# ``format`` in every trainer state written from now on: a checkpoint carrying it has a manifest.
+STATE_FORMAT = {"manifest": 1}
 _CHUNK = 1 << 20
 
 
@@ -61,18 +70,38 @@ def write_manifest(directory: str | os.PathLike, *, exclude: tuple[str, ...] = (
     return path
 
 
-def verify(directory: str | os.PathLike) -> list[str] | None:
+def verify(directory: str | os.PathLike, *, marker: str = "COMPLETE") -> list[str] | None:
     """What in ``directory`` differs from its manifest (empty: every file matches), or None when it
-    has no manifest (a checkpoint from before manifests)."""
+    has no manifest and was written before manifests (:func:`written_with_manifest`). Every file in
+    the directory but the manifest and the completion ``marker`` (written after it) must be listed."""
     directory = Path(directory)
     try:
         with open(directory / MANIFEST) as f:
             files = json.load(f)["files"]
+        if not isinstance(files, dict) or not all(
+            isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+            for e in files.values()
+        ):
+            raise TypeError("its file list is not {path: {size, sha256}}")
     except FileNotFoundError:
+        era = written_with_manifest(directory)
+        if era is None:
+            return [f"{MANIFEST} is missing and {STATE} does not load as plain data (weights_only)"]
+        if era:
+            return [
+                f"{MANIFEST} is missing, though this checkpoint was written by a tearless that writes one "
+                "(its trainer state says so)"
+            ]
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         return [f"{MANIFEST} is unreadable ({exc})"]
-    problems = []
+    if not files:
+        return [f"{MANIFEST} lists no files"]
+    problems = [
+        f"{rel} is not in {MANIFEST}" for rel in _files(directory, (MANIFEST, marker)) if rel not in files
+    ]
+    if STATE not in files:
+        problems.append(f"{MANIFEST} does not list {STATE}")
     for rel, expected in sorted(files.items()):
         path = directory / rel
         try:
@@ -85,6 +114,20 @@ def verify(directory: str | os.PathLike) -> list[str] | None:
         elif _sha256(path) != expected["sha256"]:
             problems.append(f"{rel} does not match its checksum (changed on disk since it was written)")
     return problems
+
+
+def written_with_manifest(directory: Path) -> bool | None:
+    """Whether the checkpoint's trainer state shows a manifest-era writer: a ``format`` entry, or a
+    ``config`` (added together with manifests); None when the state does not load as plain data (a
+    truncated or hostile file: nothing vouches for the checkpoint). No state at all: False, not a
+    checkpoint (the loader says so)."""
+    if not (directory / STATE).is_file():
+        return False
+    try:
+        state = torch.load(directory / STATE, weights_only=True, map_location="cpu")
+    except Exception:  # unpickling refused or the file is cut: the caller reports it as damage
+        return None
+    return not isinstance(state, dict) or "format" in state or "config" in state
 
 
 def checkpoint_to_resume(

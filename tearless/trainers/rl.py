@@ -30,8 +30,10 @@ from tensordict import TensorDict
 from tearless import faults
 from tearless.algos import compute_advantage, make_kl_controller
 from tearless.config import Config, to_dict
+from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
+from tearless.data.prompts import check_vocabulary
 from tearless.models.loading import load_tokenizer
 from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction, rollout_rejection
@@ -92,8 +94,19 @@ class RLTrainer:
         random.seed(t.seed)
         configure_cpu(t.num_threads, t.keep_freed_memory)
         model_path, train_files, val_files, tools = self._resolve_paths()
+        # The files the run reads, by content (kept in checkpoints, compared on resume): a model or
+        # data file rewritten at the same path makes another run.
+        self.fingerprints = fingerprints(
+            {
+                "actor_rollout_ref.model.path": model_path,
+                "actor_rollout_ref.model.tokenizer_path": arr.model.tokenizer_path,
+                "critic.model.path": cfg.critic.model.path,
+                "data.train_files": train_files,
+            }
+        )
         tok_key = "actor_rollout_ref.model." + ("tokenizer_path" if arr.model.tokenizer_path else "path")
         self.tokenizer = load_tokenizer(arr.model.tokenizer_path or model_path, key=tok_key)
+        check_vocabulary(self.tokenizer, model_path, tok_key)
         dkw = dict(
             max_prompt_length=data.max_prompt_length,
             truncation=data.truncation,
@@ -209,6 +222,13 @@ class RLTrainer:
             return 0, None
         self._resume_state = ckpt.load_state(path)
         resume_compat.check_resume(self._resume_state.get("config"), self.cfg, path, log=self.log)
+        changed = fingerprint_changes(self._resume_state.get("fingerprints"), self.fingerprints)
+        if changed:
+            raise resume_compat.ResumeMismatch(
+                f"cannot resume from {path}: files of the run changed since it was written "
+                f"({'; '.join(changed[:5])}{'; …' if len(changed) > 5 else ''}). Put the old files back to "
+                "resume, or start a new run with another trainer.experiment_name"
+            )
         if "workers" not in self._resume_state:
             raise ValueError(
                 f"{path} was written by an older tearless whose optimizer state format this one does not "
@@ -245,6 +265,7 @@ class RLTrainer:
             "bad_steps": self.bad_steps,
             # Plain JSON values only, so the state loads with torch.load(weights_only=True).
             "config": json.loads(json.dumps(to_dict(self.cfg), default=str)),
+            "fingerprints": self.fingerprints,
             "step_metrics": {
                 k: float(v) if isinstance(v, (int, float)) else str(v) for k, v in (metrics or {}).items()
             },
@@ -535,7 +556,9 @@ class RLTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # Steps after the checkpoint we start from are replayed, so their old records go (all of them
         # when starting from scratch in a used directory).
-        truncate_jsonl(self.run_dir / "metrics.jsonl", self.start_step if self.start_step > 0 else -1)
+        truncate_jsonl(
+            self.run_dir / "metrics.jsonl", self.start_step if self.start_step > 0 else -1, log=self.log
+        )
         truncate_records(self.run_dir / ROLLOUTS_FILE, self.start_step if self.start_step > 0 else -1)
         self._restore_checkpointed_record()
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))

@@ -8,6 +8,11 @@ gets :class:`RunLocked`, whose message names the first one's pid and command.
 
 On main two ``tearless train`` on one directory both ran to exit 0, each replacing the other's
 checkpoints and metrics. (A lock on a network file system is only as good as its ``flock``.)
+
+A forked child (a reward worker, anything a reward function forks) closes its copy of a held lock's
+descriptor at once (:func:`os.register_at_fork`): a ``flock`` belongs to the open file description,
+so a child that outlived the trainer holding it kept the directory locked, and the resume was
+refused naming the dead trainer. (``O_CLOEXEC`` covers ``exec`` only, not a bare fork.)
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from pathlib import Path
 
 LOCK_FILE = ".tearless.lock"
@@ -37,6 +43,16 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self._fd = path, fd
+        _held.add(self)
+
+    def _forget_in_child(self) -> None:
+        # Close only: flock(LOCK_UN) here would unlock the parent's lock too (one description).
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -49,6 +65,17 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+_held: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_held):
+        lock._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire(run_dir: str | os.PathLike) -> RunLock:

@@ -34,29 +34,85 @@ def mlflow_name(key: str) -> str:
     return _MLFLOW_FORBIDDEN.sub("_", key)
 
 
+# The largest step a record may carry: a float64 (the plots' axis) still holds every integer up to it.
+_MAX_STEP = 2**53
+
+
+def is_step_record(record: Any) -> bool:
+    """A JSON value is a step record (a metrics line, a rollout record): an object whose ``step`` is
+    an integer in [0, 2**53]."""
+    if not isinstance(record, dict):
+        return False
+    step = record.get("step")
+    return isinstance(step, int) and not isinstance(step, bool) and 0 <= step <= _MAX_STEP
+
+
+def _loads(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except (ValueError, RecursionError):  # JSONDecodeError, a 4,300-digit number, deep nesting
+        return None
+
+
 def parse_jsonl(text: str) -> list[dict]:
-    """The records of JSON-lines text; a line that does not parse (a torn last line) is skipped."""
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    """The step records (:func:`is_step_record`) of JSON-lines text; other lines (a torn last line,
+    JSON that is not a record) are skipped."""
+    return [r for r in map(_loads, text.splitlines()) if is_step_record(r)]
+
+
+def read_metrics_counted(path: str | os.PathLike) -> tuple[list[dict], list[int]]:
+    """``(records, skipped)``: the metrics records of a JSONL file and the (1-based) numbers of the
+    lines that are not one (JSON that does not parse, too deep or too long a number to read, or a value
+    that is not an object with an integer ``step``: :func:`is_step_record`). A torn last line (no
+    newline after it: a write in progress or cut by a crash) is skipped without being counted. Bytes
+    that are not UTF-8 are read as U+FFFD, so one bad byte costs at most its string, not the file."""
+    p = Path(path)
+    if not p.exists():
+        return [], []
+    text = p.read_bytes().decode("utf-8", errors="replace")
+    lines = text.splitlines()
+    records, skipped = [], []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
             continue
-    return records
+        record = _loads(line)
+        if is_step_record(record):
+            records.append(record)
+        elif not (number == len(lines) and not text.endswith("\n")):
+            skipped.append(number)
+    return records, skipped
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a metrics JSONL file (a torn last line is skipped)."""
-    p = Path(path)
-    return parse_jsonl(p.read_text()) if p.exists() else []
+    """The metrics records of a JSONL file; lines that are not one are skipped
+    (:func:`read_metrics_counted` says which)."""
+    return read_metrics_counted(path)[0]
 
 
-def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
-    """Keep the records of a step-keyed JSONL file up to ``last_step`` (-1 empties it)."""
+def skipped_lines_message(path: str | os.PathLike, skipped: list[int]) -> str:
+    """One line naming how many lines of ``path`` were skipped and the first few of them."""
+    shown = ", ".join(map(str, skipped[:5])) + (", …" if len(skipped) > 5 else "")
+    if len(skipped) == 1:
+        return (
+            f"skipped 1 line of {path} (line {shown}) that is not a metrics record (a JSON object with "
+            "an integer step)"
+        )
+    return (
+        f"skipped {len(skipped)} lines of {path} (lines {shown}) that are not metrics records (JSON objects "
+        "with an integer step)"
+    )
+
+
+def truncate_jsonl(path: str | os.PathLike, last_step: int, log: Callable[[str], None] | None = None) -> None:
+    """Keep the records of a step-keyed JSONL file up to ``last_step`` (-1 empties it). Lines that are
+    not records are dropped, and ``log`` told how many (:func:`read_metrics_counted`)."""
     p = Path(path)
     if not p.exists():
         return
-    kept = [r for r in read_metrics(p) if r.get("step", 0) <= last_step]
+    records, skipped = read_metrics_counted(p)
+    if skipped and log is not None:
+        log(f"warning: {skipped_lines_message(p, skipped)}; dropped")
+    kept = [r for r in records if r["step"] <= last_step]
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
     os.replace(tmp, p)

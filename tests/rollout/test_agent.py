@@ -349,3 +349,43 @@ def test_the_sampler_stops_right_after_a_stop_sequence_and_keeps_it(tok):
     first = next(i + 2 for i in range(11) if ids[i : i + 2] == stop)
     assert cut.response_ids[0][cut.response_mask[0].bool()].tolist() == ids[:first]
     assert not cut.truncated[0] and full.truncated[0]
+
+
+HOSTILE_CALLS = [
+    # json.loads raises ValueError (not JSONDecodeError) for an integer literal over 4,300 digits
+    '<tool_call>{"name": "search", "arguments": {"query": ' + "1" * 5000 + "}}</tool_call>",
+    # and RecursionError for deep nesting, in the call or in string-encoded arguments
+    "<tool_call>" + "[" * 100_000 + "</tool_call>",
+    '<tool_call>{"name": "search", "arguments": "' + "[" * 100_000 + '"}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": "' + "1" * 5000 + '"}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": [1, 2]}</tool_call>',
+    '<tool_call>{"name": "search", "arguments": {"query": "\\ud800"}}</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", HOSTILE_CALLS, ids=range(len(HOSTILE_CALLS)))
+def test_any_model_output_is_an_action_never_an_exception(tok, text):
+    """Issue 33: a tool call the JSON parser chokes on (a 5,000-digit integer, 100,000 nested brackets)
+    ended the training run; now any model output parses to an action, and what cannot be a call is
+    an invalid one the model is told about."""
+    loop = AgentLoop(ScriptedEngine(tok, {}), tok, {"search": Lookup()}, AgentSettings(format="hermes"))
+    action = loop.parse(text)
+    assert action.kind in ("invalid", "calls"), action
+    if action.kind == "invalid":
+        assert action.problem
+
+
+def test_a_hostile_tool_call_costs_the_model_an_invalid_turn_and_the_rollout_goes_on(tok):
+    huge = '<tool_call>{"name": "search", "arguments": {"query": ' + "1" * 5000 + "}}</tool_call><|end|>"
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call><|end|>"
+    res, _ = run(
+        tok,
+        {"Where was kat born?": [huge, "Lora<|end|>"], "Where was bim born?": [deep, "Kovu<|end|>"]},
+        format="hermes",
+        invalid_action_message="Bad call.",
+        limit=100_400,
+    )
+    assert res.metrics["multi_turn/invalid_actions"] == 2.0
+    assert res.metrics["multi_turn/answered"] == 1.0
+    assert pieces(tok, res.out, 0)[-1] == ("Lora<|end|>", 1)
+    assert "Bad call. (tool call is not valid JSON" in pieces(tok, res.out, 1)[1][0]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from tearless.data import render_prompt
 from tearless.rollout.hf import HFRollout, left_pad
@@ -72,7 +75,7 @@ def test_save_checkpoint_is_atomic_and_prunes_to_keep(tmp_path):
         "global_step_3",
         ckpt.TRACKER,
     ]
-    assert ckpt.load_state(tmp_path / "global_step_3") == {"global_step": 3}
+    assert ckpt.load_state(tmp_path / "global_step_3") == {"global_step": 3, "format": {"manifest": 1}}
     # A save that fails halfway leaves nothing behind and the previous checkpoint in charge.
     with pytest.raises(OSError, match="disk full"):
         ckpt.save_checkpoint(tmp_path, 4, model=_Saves(fail=True), tokenizer=_Saves(), state={})
@@ -197,3 +200,60 @@ def test_val_only_on_a_trained_run_validates_its_latest_checkpoint(trained_run, 
     )
     assert result["start_step"] == 12
     assert result.get("before") == summary["after"]
+
+
+def _two_checkpoints(run_dir):
+    """Steps 1 and 2 written by :func:`ckpt.save_checkpoint`, with a config in their state as the RL
+    trainer's have (a manifest-era checkpoint) and 4 kB of 'weights'."""
+
+    def write(directory):
+        (directory / "actor").mkdir()
+        (directory / "actor" / "model.safetensors").write_bytes(bytes(range(256)) * 16)
+
+    for step in (1, 2):
+        ckpt.save_checkpoint(run_dir, step, state={"global_step": step, "config": {"a": 1}}, write=write)
+    return run_dir / "global_step_2"
+
+
+def _flip_a_bit(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("downgrade", ["deleted", "empty", "unlisted"])
+def test_a_manifest_cannot_be_downgraded_away(tmp_path, downgrade):
+    """Issue 33, item 7: deleting the manifest of a checkpoint written with one (or emptying its file
+    list, or dropping a file from it) loaded a flipped weight bit after at most a warning. A
+    checkpoint written by a manifest-era version needs its manifest, listing every file."""
+    newest = _two_checkpoints(tmp_path)
+    _flip_a_bit(newest / "actor" / "model.safetensors")
+    manifest = newest / "MANIFEST.json"
+    if downgrade == "deleted":
+        manifest.unlink()
+    else:
+        data = json.loads(manifest.read_text())
+        if downgrade == "empty":
+            data["files"] = {}
+        else:
+            del data["files"]["actor/model.safetensors"]
+        manifest.write_text(json.dumps(data))
+    logs: list[str] = []
+    assert ckpt.checkpoint_to_resume(tmp_path, log=logs.append) == tmp_path / "global_step_1"
+    (damaged,) = [line for line in logs if "global_step_2 is damaged" in line]
+    assert {
+        "deleted": "MANIFEST.json is missing, though this checkpoint was written by a tearless that writes",
+        "empty": "MANIFEST.json lists no files",
+        "unlisted": "actor/model.safetensors is not in MANIFEST.json",
+    }[downgrade] in damaged
+    with pytest.raises(ckpt.CheckpointDamaged, match="resume_from_path"):
+        ckpt.checkpoint_to_resume(tmp_path, newest, log=logs.append)
+
+
+def test_a_checkpoint_from_before_manifests_still_resumes_with_a_warning(tmp_path):
+    newest = _two_checkpoints(tmp_path)
+    (newest / "MANIFEST.json").unlink()
+    torch.save({"global_step": 2}, newest / "trainer_state.pt")  # no config, no format: pre-manifest
+    logs: list[str] = []
+    assert ckpt.checkpoint_to_resume(tmp_path, log=logs.append) == newest
+    assert any("has no MANIFEST.json (written before checksums)" in line for line in logs)

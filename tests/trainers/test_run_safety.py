@@ -6,12 +6,14 @@ used, and a step that breaks the weights stops the run with the step and the fix
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -19,6 +21,7 @@ import torch
 from tearless.cli import main as cli
 from tearless.config import load_config
 from tearless.trainers import runlock
+from tearless.trainers.resume_compat import ResumeMismatch
 from tearless.trainers.rl import RLTrainer
 from tearless.trainers.tracking import read_metrics
 
@@ -187,3 +190,36 @@ def test_disk_full_while_training_is_one_line(overrides, tmp_path, capsys, monke
     code, err = run_cli(overrides(tmp_path / "run", *QUICK), capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1
     assert "No space left on device" in err and "trainer.resume_mode=auto continues" in err
+
+
+def test_resume_refuses_a_model_or_data_file_rewritten_at_the_same_path(task, overrides, tmp_path):
+    """Issue 33, item 4: resume compared paths only, so replacing the model's safetensors (the KL
+    reference is loaded from it) or rewriting the parquet in place trained on the new files without
+    a word. The checkpoint now keeps each file's size and content hash; a touch alone is no change."""
+    import shutil
+
+    model, data = tmp_path / "model", tmp_path / "train.parquet"
+    shutil.copytree(task.model_dir, model)
+    shutil.copy(task.train_file, data)
+    run = tmp_path / "run"
+    base = [*overrides(run, *QUICK), f"actor_rollout_ref.model.path={model}", f"data.train_files={data}"]
+    RLTrainer(load_config(None, [*base, "trainer.total_training_steps=1"]), log=lambda _: None).fit()
+    resumed = load_config(None, [*base, "trainer.total_training_steps=2"])
+
+    weights = model / "model.safetensors"
+    original = weights.read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x10
+    weights.write_bytes(bytes(flipped))
+    with pytest.raises(ResumeMismatch, match=rf"actor_rollout_ref.model.path: {weights} changed \(same size"):
+        RLTrainer(resumed, log=lambda _: None)
+    weights.write_bytes(original)
+
+    rows = pq.read_table(data).to_pylist()
+    pq.write_table(pa.Table.from_pylist(rows[1:] + rows[:1]), data)  # the same rows, rewritten in place
+    with pytest.raises(ResumeMismatch, match=rf"data.train_files: {data} changed"):
+        RLTrainer(resumed, log=lambda _: None)
+    shutil.copy(task.train_file, data)
+
+    os.utime(weights)  # a touch: the same content
+    assert RLTrainer(resumed, log=lambda _: None).start_step == 1
