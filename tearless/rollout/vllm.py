@@ -394,6 +394,9 @@ class VLLMRollout:
             version = new_version
             aborted = list(live.items())
             engine.abort_request([rid for rid, _ in aborted])
+            # The aborted requests' cached blocks hold keys and values of the old weights; the
+            # resubmitted prefixes would hit them.
+            self.llm.reset_prefix_cache()
             live.clear()
             taken.clear()
             for _, i in aborted:
