@@ -61,7 +61,9 @@ def setup(task):
 def trainer_probe(model, ids):
     row = torch.tensor([ids], device=DEVICE)
     with torch.no_grad():
-        lp, _ = response_logprobs(model, row[:, :1], torch.ones_like(row[:, :1]), row[:, 1:], torch.ones_like(row[:, 1:]))
+        lp, _ = response_logprobs(
+            model, row[:, :1], torch.ones_like(row[:, :1]), row[:, 1:], torch.ones_like(row[:, 1:])
+        )
     return lp[0].cpu()
 
 
@@ -92,7 +94,11 @@ def test_same_keys_draw_the_same_responses_in_any_batch(setup):
     together = engine.generate(prompts, n=2, max_new_tokens=8, keys=keys)
     alone = engine.generate(prompts[1:2], n=2, max_new_tokens=8, keys=keys[1:2])
     for a, am, b, bm in zip(
-        together.response_ids[2:4], together.response_mask[2:4], alone.response_ids, alone.response_mask, strict=True
+        together.response_ids[2:4],
+        together.response_mask[2:4],
+        alone.response_ids,
+        alone.response_mask,
+        strict=True,
     ):
         assert a[am.bool()].tolist() == b[bm.bool()].tolist()
 
@@ -148,7 +154,7 @@ def test_stop_sequences_end_a_response_after_the_stop_text(setup):
 
 
 def test_partial_rollout_resumes_from_the_prefix_under_new_weights(setup):
-    tok, model, engine, prompts = setup
+    _, model, engine, prompts = setup
     engine.load_weights(hf_weights(model))
     calls = []
     changed = {name: t + 0.05 * torch.randn_like(t) for name, t in hf_weights(model)}
@@ -161,7 +167,9 @@ def test_partial_rollout_resumes_from_the_prefix_under_new_weights(setup):
         return None
 
     keys = prompt_keys(5, 0, 0, len(prompts))
-    out = engine.generate(prompts, n=2, max_new_tokens=12, keys=keys, version=6, between_tokens=between_tokens)
+    out = engine.generate(
+        prompts, n=2, max_new_tokens=12, keys=keys, version=6, between_tokens=between_tokens
+    )
     plain = engine.generate(prompts, n=2, max_new_tokens=12, keys=keys)  # the new weights throughout
     mask = out.response_mask.bool()
     versions = out.token_versions

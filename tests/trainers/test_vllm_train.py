@@ -141,5 +141,5 @@ def test_one_step_off_with_partial_rollouts_on_a_vllm_rollout_worker(ray_session
         "trainer.worker_timeout_s=300",
     )
     assert_synced(metrics, 3)
-    assert [m["async/staleness_max"] for m in metrics][0] == 0
+    assert metrics[0]["async/staleness_max"] == 0
     assert all(0.0 <= m["async/partial_frac"] <= 1.0 and m["async/dropped"] == 0 for m in metrics)
