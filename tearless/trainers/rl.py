@@ -37,6 +37,8 @@ from tearless.data.prompts import check_vocabulary
 from tearless.models.loading import load_tokenizer
 from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction, rollout_rejection
+from tearless.rollout.sync_probe import METRIC as SYNC_PROBE_METRIC
+from tearless.rollout.sync_probe import max_difference, mismatch_message, probe_bound, probe_ids
 from tearless.trainers import checkpoint as ckpt
 from tearless.trainers import resume_compat, runlock
 from tearless.trainers.async_loop import AsyncPipeline
@@ -47,7 +49,7 @@ from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
 from tearless.workers.actor import on_policy, reward_kl
-from tearless.workers.build import precision_mismatch
+from tearless.workers.build import precision_mismatch, rollout_dtype
 from tearless.workers.critic import critic_value_stats, explained_variance
 from tearless.workers.group import Rollout, make_workers
 from tearless.workers.spec import RankSpec
@@ -177,6 +179,9 @@ class RLTrainer:
         )
         if resume_dir:
             self._load_state(resume_dir)
+        # Every load into a vLLM engine is checked against the trainer (tearless.rollout.sync_probe).
+        self.sync_probe = probe_ids(self.train_set[0], self.tokenizer) if arr.rollout.name == "vllm" else None
+        self.sync_probe_dtype = rollout_dtype(cfg, self.workers.device)
         # async_training: generation runs ahead of the updates (trainers/async_loop.py, docs/async.md).
         self.pipeline = AsyncPipeline(self) if cfg.async_training.enable else None
         self._collect = self.pipeline.collect if self.pipeline else partial(collect, self)
@@ -331,6 +336,8 @@ class RLTrainer:
                     received = self.workers.sync_weights(self.policy_version)
                 if self.pipeline:
                     self.pipeline.sync_idle(timer, received)
+                if self.sync_probe is not None:
+                    metrics[SYNC_PROBE_METRIC] = self.verify_sync(step)
             self.workers.check_weights(step, (td["prompt_ids"][:1], td["prompt_mask"][:1]))
         out = rollout.out
         metrics.update(
@@ -358,6 +365,16 @@ class RLTrainer:
         )
         self._dump_samples(step, rollout, uids, td["advantages"])
         return metrics
+
+    def verify_sync(self, step: int | None) -> float:
+        """The sync probe's largest difference after the weight load of ``step`` (None: the first);
+        beyond the rollout dtype's bound the run stops (:mod:`tearless.rollout.sync_probe`)."""
+        policy, engines = self.workers.probe_sync(self.sync_probe)
+        diff = max(max_difference(e, policy) for e in engines)
+        bound = probe_bound(self.sync_probe_dtype)
+        if not diff <= bound:  # a NaN difference stops the run too
+            raise TrainingStopped(mismatch_message(step, diff, bound, self.sync_probe_dtype))
+        return diff
 
     def batch(self, rollout: Rollout, uids: list[str]) -> TensorDict:
         """The step's tensors, one row per response, each carrying its prompt group."""
@@ -576,6 +593,8 @@ class RLTrainer:
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "start_step": self.start_step}
         started = time.perf_counter()
         try:
+            if self.sync_probe is not None:
+                self.verify_sync(None)
             if t.val_only or (self.start_step == 0 and t.val_before_train):
                 timer = Timer()
                 with timer("testing"):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from tearless.config import Config
-from tearless.models.loading import load_causal_lm
+from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
 from tearless.workers.spec import RankSpec
@@ -172,15 +172,34 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
         gen_eos = None
     eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     if arr.rollout.name == "vllm":
+        # vLLM is an optional dependency, imported only when the run asks for it.
+        from tearless.models.weights import hf_weights
         from tearless.rollout.vllm import VLLMRollout
+
+        dtype = rollout_dtype(cfg, spec.device)
+        response = arr.rollout.response_length or cfg.data.max_response_length
+        context = cfg.data.max_prompt_length + response
+        reload = None
+        if trained is not None:  # hybrid: the engine sleeps, and its weights come from `trained`
+
+            def reload():
+                return hf_weights(trained, resolve_dtype(dtype))
 
         engine = VLLMRollout(
             spec.model_path,
             arr.rollout,
-            dtype=rollout_dtype(cfg, spec.device),
+            dtype=dtype,
             eos_token_ids=sorted(eos),
             pad_token_id=tokenizer.pad_token_id,
             seed=cfg.trainer.seed,
+            device=spec.device,
+            reload=reload,
+            kv_tokens=cfg.data.train_batch_size * arr.rollout.n * context,
+            # Multi-turn prompts carry earlier turns and a chat template: room beyond `context`.
+            max_model_len=max(context, 4096),
+            distributed=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
+            # enforce_eager=false leaves vLLM its default: CUDA graphs on GPU, eager on CPU.
+            enforce_eager=True if arr.rollout.enforce_eager else None,
         )
     else:
         from tearless.rollout.hf import HFRollout

@@ -267,6 +267,13 @@ class WorkerGroup:
         for pool in self.trained_pools():
             self._call(pool, "load", [(directory, state)] * self.world_of(pool), "resume")
 
+    def probe_sync(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The sync probe (:mod:`tearless.rollout.sync_probe`): the actor's log-probs of ``ids[1:]``
+        and each generating rank's engine's (ranks whose engine is the trained model give none)."""
+        policy = self._call("actor", "probe_policy", [(ids,)] * self.world_of("actor"), "sync probe")[0]
+        engines = self._call("rollout", "probe_engine", [(ids,)] * self.world_of("rollout"), "sync probe")
+        return policy, [e for e in engines if e is not None]
+
     def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Stop the run (:class:`tearless.trainers.guards.WeightsNotFinite`) if an update left a trained
         model's weights, or the actor's logits on ``probe``, non-finite."""

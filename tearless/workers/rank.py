@@ -210,10 +210,9 @@ class Rank:
         ``version`` is the policy version the driver expects this rank to hold; a split rollout rank
         knows its own (the one of the last broadcast it received), which is newer when it took an
         update between two tokens of an earlier call (partial rollouts). With the built-in engine,
-        every token records the version it was sampled with; with ``async_training.partial_rollout``
+        every token records the version it was sampled with (either engine); with
+        ``async_training.partial_rollout``
         a split rollout rank takes new weights between two tokens (:meth:`take_new_weights`)."""
-        from tearless.rollout.hf import HFRollout
-
         timer = Timer()
         extra: dict[str, Any] = {}
         idle, self._idle_seconds = self._idle_seconds + self._idle(), 0.0
@@ -225,10 +224,9 @@ class Rank:
                 out, info = res.out, res.rows
             else:
                 ids = [p["input_ids"] for p in prompts]
-                if isinstance(self.engine, HFRollout):
-                    extra["version"] = version if self.held_version is None else self.held_version
-                    if self.weight_sync is not None and self.spec.cfg.async_training.partial_rollout:
-                        extra["between_tokens"] = self.take_new_weights
+                extra["version"] = version if self.held_version is None else self.held_version
+                if self.weight_sync is not None and self.spec.cfg.async_training.partial_rollout:
+                    extra["between_tokens"] = self.take_new_weights
                 out = self.engine.generate(
                     ids, n=n, max_new_tokens=max_new_tokens, keys=keys, **sampling, **extra
                 )
@@ -349,6 +347,28 @@ class Rank:
         actor = self.roles["actor"]
         dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
         self.engine.load_weights(hf_weights(actor.model, dtype))
+
+    def probe_policy(self, ids: list[int]) -> torch.Tensor:
+        """The actor's teacher-forced log-probs of ``ids[1:]`` at temperature 1, for the sync probe
+        (:mod:`tearless.rollout.sync_probe`); every rank of a sharded actor runs the same forward."""
+        from tearless.models.logprobs import response_logprobs
+
+        model = self.roles["actor"].model
+        row = torch.tensor([ids], dtype=torch.long)
+        mask = torch.ones_like(row)
+        was_training = model.training
+        model.eval()
+        try:
+            with self._forward_mode():
+                lp, _ = response_logprobs(model, row[:, :1], mask[:, :1], row[:, 1:], mask[:, 1:])
+        finally:
+            model.train(was_training)
+        return lp[0].float().cpu().clone()
+
+    def probe_engine(self, ids: list[int]) -> torch.Tensor | None:
+        """The engine's log-probs of ``ids[1:]`` (None for the built-in engine: no separate copy)."""
+        probe = getattr(self.engine, "probe_logprobs", None)
+        return None if probe is None else probe(ids)
 
     def open_weight_sync(self, address: str, sync_rank: int, sync_world: int) -> None:
         """Join the weight-broadcast group of the split placement: training rank 0 (sync rank 0) and

@@ -38,15 +38,6 @@ RC = "algorithm.rollout_correction"
             [
                 "async_training.enable=true",
                 "async_training.partial_rollout=true",
-                "actor_rollout_ref.rollout.name=vllm",
-            ],
-            "partial_rollout",
-            "rollout.name='vllm'",
-        ),
-        (
-            [
-                "async_training.enable=true",
-                "async_training.partial_rollout=true",
                 "actor_rollout_ref.rollout.multi_turn.enable=true",
             ],
             "partial_rollout",
