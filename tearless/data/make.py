@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tearless.data.rows import DataError, write_parquet
 
-TASKS = ("arithmetic", "countdown", "knights_knaves")
+TASKS = ("arithmetic", "countdown", "knights_knaves", "word_problems")
 
 
 def make_rows(
@@ -35,6 +35,8 @@ def make_rows(
         return {"train": train, "test": test}
     if task == "countdown":
         from tearless.tasks import countdown as module
+    elif task == "word_problems":
+        from tearless.tasks import word_problems as module
     else:
         from tearless.tasks import knights_knaves as module
     extra = {"num_people": num_people or 3} if task == "knights_knaves" else {}

@@ -32,7 +32,7 @@ from tearless.algos import compute_advantage, make_kl_controller
 from tearless.config import Config, to_dict
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
-from tearless.models.loading import load_tokenizer
+from tearless.models.loading import check_model_dir, load_tokenizer
 from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction, rollout_rejection
 from tearless.trainers import checkpoint as ckpt
@@ -179,6 +179,9 @@ class RLTrainer:
             cfg.data.val_files,
         )
         tools = None
+        if model_path is not None:
+            # A Hub ID becomes its cached snapshot here, once, so every rank and engine reads one directory.
+            model_path = str(check_model_dir(model_path, "actor_rollout_ref.model.path"))
         if model_path is None or train_files is None:
             from tearless.tasks.bootstrap import TaskSpec, prepare_task
 
