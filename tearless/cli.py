@@ -2,10 +2,11 @@
 
 Commands: ``train`` (RL training, veRL-style dotted overrides), ``eval`` (score a model on a
 dataset with the validation metrics), ``sft`` and ``dpo`` (the offline trainers),
-``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
-``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
-and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
-Heavy imports happen inside the commands so ``tearless --help`` is quick.
+``data make|prepare|inspect`` (datasets), ``model import-gguf`` (a GGUF file as a model directory),
+``samples`` (read a run's rollout records), ``report`` and ``compare`` (plots and diagnoses of runs),
+``config show`` (every key with its value and documentation), ``flow-pretrain`` and ``flow-train``
+(Flow-GRPO, defined in ``tearless.flow.cli``). Heavy imports happen inside the commands so
+``tearless --help`` is quick.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_offline_parsers(sub)
     _add_report_parsers(sub)
     _add_samples_parser(sub)
+    _add_model_parser(sub)
     from tearless.flow.cli import add_flow_parsers
 
     add_flow_parsers(sub)
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         return _eval(args)
     if args.command == "samples":
         return _samples(args)
+    if args.command == "model":
+        return _model(args)
     if args.command.startswith("flow-"):
         from tearless.flow.cli import run as run_flow
 
@@ -400,6 +404,41 @@ def _samples(args: argparse.Namespace) -> int:
     return samples_command(
         args.run_dir, step=args.step, worst=args.worst, best=args.best, grep=args.grep, source=args.source
     )
+
+
+def _add_model_parser(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="model tools: import a GGUF file as a model directory")
+    actions = model.add_subparsers(dest="model_command", required=True)
+    imp = actions.add_parser(
+        "import-gguf",
+        help="write a GGUF file's model and tokenizer as a float32 save_pretrained directory",
+        description="Dequantise GGUF_FILE (llama.cpp's format; needs the gguf package) into OUTPUT_DIR, a "
+        "plain Hugging Face model directory that every tearless command takes as model.path.",
+    )
+    imp.add_argument("gguf_file", metavar="GGUF_FILE")
+    imp.add_argument("output_dir", metavar="OUTPUT_DIR")
+    imp.add_argument(
+        "--hub-id",
+        metavar="ORG/NAME",
+        help="also put the directory in the Hugging Face cache under this ID (for machines without "
+        "network: ORG/NAME then resolves offline)",
+    )
+
+
+def _model(args: argparse.Namespace) -> int:
+    """``tearless model import-gguf``: exit 0, or 2 on a file that cannot be imported."""
+    from tearless.models.gguf import GGUFImportError, import_gguf
+    from tearless.models.hub import add_to_hub_cache
+
+    try:
+        out = import_gguf(args.gguf_file, args.output_dir)
+    except GGUFImportError as e:
+        print(f"tearless: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: model and tokenizer written (float32 safetensors)")
+    if args.hub_id:
+        print(f"{add_to_hub_cache(out, args.hub_id)}: cached as {args.hub_id}")
+    return 0
 
 
 if __name__ == "__main__":

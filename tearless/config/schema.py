@@ -528,7 +528,15 @@ class TrainerConfig:
         "runs/${trainer.project_name}/${trainer.experiment_name}",
         "run directory: metrics, rollout samples and global_step_N checkpoints",
     )
-    save_freq: int = doc(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    save_freq: int = doc(
+        -1, "checkpoint every N steps; -1 = no intermediate checkpoint (the final one: save_final_checkpoint)"
+    )
+    save_final_checkpoint: bool = doc(
+        True,
+        "write a checkpoint after the last step; false = none unless save_freq asks (a full fine-tune's "
+        "checkpoint holds weights and AdamW state: ~12 bytes per parameter). A run that "
+        "trainer.max_bad_steps stops always saves one",
+    )
     test_freq: int = doc(-1, "validate every N steps (and at the end); -1 = only at the end")
     val_before_train: bool = doc(True, "validate before the first step")
     val_only: bool = doc(False, "validate and stop")
@@ -542,7 +550,7 @@ class TrainerConfig:
         "Bookkeeping keys (steps, logging, checkpoints, micro-batch sizes, validation, workers) may "
         "always change. A changed optimizer setting is applied to the restored optimizer",
     )
-    max_actor_ckpt_to_keep: int | None = doc(None, "keep only the newest N checkpoints; null = all")
+    max_actor_ckpt_to_keep: int | None = doc(3, "keep only the newest N checkpoints; null = all")
     seed: int = doc(1, "seed of every random choice (sampling, shuffling, initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")

@@ -113,12 +113,17 @@ class OfflineTrainerConfig:
         "runs/${trainer.project_name}/${trainer.experiment_name}",
         "run directory: metrics.jsonl and global_step_N checkpoints",
     )
-    save_freq: int = doc(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    save_freq: int = doc(
+        -1, "checkpoint every N steps; -1 = no intermediate checkpoint (the final one: save_final_checkpoint)"
+    )
+    save_final_checkpoint: bool = doc(
+        True, "write a checkpoint after the last step; false = none unless save_freq asks"
+    )
     test_freq: int = doc(-1, "validate every N steps (and at the end); -1 = only at the end")
     val_before_train: bool = doc(True, "validate before the first step")
     resume_mode: str = doc("auto", "auto (latest complete checkpoint) | disable | resume_path")
     resume_from_path: Any = doc(None, "a global_step_N directory, with resume_mode=resume_path")
-    max_ckpt_to_keep: Any = doc(None, "keep only the newest N checkpoints; null = all")
+    max_ckpt_to_keep: Any = doc(3, "keep only the newest N checkpoints; null = all")
     seed: int = doc(1, "seed of every random choice (shuffling, the embedded model's initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")

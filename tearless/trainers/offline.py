@@ -174,7 +174,7 @@ def fit(trainer: OfflineTrainer) -> dict[str, Any]:
             if should(t.test_freq, step, last):
                 summary["after"] = trainer.validate()
                 metrics.update(summary["after"])
-            if should(t.save_freq, step, last):
+            if (last and t.save_final_checkpoint) or (t.save_freq > 0 and step % t.save_freq == 0):
                 summary["checkpoint"] = str(trainer.save(step))
             tracker.log(metrics, step)
         if "after" in summary:
