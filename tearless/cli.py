@@ -162,7 +162,7 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     prepare.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     prepare.add_argument("--split", choices=["train", "test"], help="split of inputs whose path says neither")
     make = actions.add_parser("make", help="write an embedded task's train and test parquet files")
-    make.add_argument("task", choices=["arithmetic", "countdown", "knights_knaves"])
+    make.add_argument("task", choices=["arithmetic", "countdown", "knights_knaves", "word_problems"])
     make.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     make.add_argument("--num-train", type=int, default=1000, help="training problems (default 1000)")
     make.add_argument("--num-test", type=int, default=100, help="test problems (default 100)")

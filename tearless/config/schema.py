@@ -90,6 +90,12 @@ class ModelConfig:
     )
     lora_rank: int = doc(0, "LoRA rank r through peft (0 = full fine-tuning); the reference = adapters off")
     lora_alpha: float = doc(16, "LoRA scale numerator: the update is (lora_alpha / lora_rank) · B A")
+    lora_adapter_path: str | None = doc(
+        None,
+        "continue training a saved peft LoRA adapter (a directory with adapter_config.json, or a Hub ID; "
+        "veRL's and TRL's key) on model.path instead of fresh adapters; its rank r must equal lora_rank, "
+        "and its lora_alpha and target_modules are used. null = fresh adapters",
+    )
     target_modules: Any = doc(
         "all-linear", "layers given adapters: all-linear | a list (or comma-separated: q_proj,v_proj)"
     )
