@@ -340,9 +340,11 @@ def _offline(args: argparse.Namespace) -> int:
         from tearless.trainers.sft import SFTTrainer as trainer
     else:
         from tearless.trainers.dpo import DPOTrainer as trainer
+    from tearless.rewards import RewardFunctionError
+
     try:
         summary = trainer(cfg).fit()
-    except (DataError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+    except (DataError, CheckpointError, FileNotFoundError, FileExistsError, RewardFunctionError) as e:
         # Bad data files or rows: the message names the file, row and fix; a traceback would bury it.
         print(f"tearless: error: {e}", file=sys.stderr)
         return 1

@@ -32,6 +32,8 @@ RL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.actor.ppo_mini_batch_size": 8,
     "actor_rollout_ref.rollout.val_kwargs.do_sample": False,  # veRL: greedy validation only
     "actor_rollout_ref.rollout.val_kwargs.n": 1,  # veRL
+    # Validation generates in batches: bounded memory, and a progress line per batch of a long pass.
+    "data.val_batch_size": 32,
 }
 # LoRA trains a few adapter weights: peers use a 10x larger rate (TRL's LoRA examples use 1e-5 to 1e-4).
 RL_LORA_LR = 1e-5

@@ -170,6 +170,7 @@ class SFTTrainer:
         if data.val_max_samples > 0:
             val_records = val_records[: data.val_max_samples]
             self.prompt_rows = self.prompt_rows[: data.val_max_samples]
+        self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
         self.tokenizer = tokenizer
         keys = dict(
             max_length=data.max_length,
@@ -265,6 +266,8 @@ class SFTTrainer:
                     self.tokenizer,
                     self.prompt_rows,
                     max_new_tokens=self.cfg.data.max_response_length,
+                    score_fn=self.score_fn,
+                    log=self.log,
                 )
             )
         return metrics
