@@ -156,9 +156,15 @@ def format_summary(summary: dict, *, accuracies_only: bool = True, digits: int =
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="prepare, generate and inspect datasets")
     actions = data.add_subparsers(dest="data_command", required=True)
-    prepare = actions.add_parser("prepare", help="convert a local GSM8K or MATH copy to veRL parquet")
+    prepare = actions.add_parser(
+        "prepare", help="convert GSM8K or MATH (a local copy, or the Hub's) to veRL parquet"
+    )
     prepare.add_argument("name", choices=["gsm8k", "math"])
-    prepare.add_argument("--input", required=True, help="a data file, or a directory searched recursively")
+    prepare.add_argument(
+        "--input",
+        help="a data file, a directory searched recursively, or a Hub dataset ID; left out: the Hub's "
+        "openai/gsm8k or DigitalLearningGmbH/MATH-lighteval through the datasets package",
+    )
     prepare.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     prepare.add_argument("--split", choices=["train", "test"], help="split of inputs whose path says neither")
     make = actions.add_parser("make", help="write an embedded task's train and test parquet files")
