@@ -146,6 +146,11 @@ class DPOTrainer:
         self.run_dir = Path(t.default_local_dir)
         self.start_step, state, resume_dir = offline.find_resume(t, self.run_dir)
         model_path, train_files, val_files, prompt_files = self._resolve_paths()
+        # The held-out scorer is checked before anything of the model (its tokenizer included) loads.
+        self.prompt_rows = load_many(prompt_files) if prompt_files else []
+        if data.val_max_samples > 0:
+            self.prompt_rows = self.prompt_rows[: data.val_max_samples]
+        self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, "model.path")
         self.unpaired = cfg.algorithm.loss_type in KTO_LOSSES
         keys = dict(
@@ -160,11 +165,8 @@ class DPOTrainer:
         dataset = UnpairedDataset if self.unpaired else PairDataset
         self.train_set = dataset(read_many(train_files), self.tokenizer, source=str(train_files), **keys)
         val_records = read_many(val_files) if val_files else []
-        self.prompt_rows = load_many(prompt_files) if prompt_files else []
         if data.val_max_samples > 0:
             val_records = val_records[: data.val_max_samples]
-            self.prompt_rows = self.prompt_rows[: data.val_max_samples]
-        self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
         self.val_set = (
             dataset(val_records, self.tokenizer, source=str(val_files), **keys) if val_records else None
         )
