@@ -538,10 +538,14 @@ class RLTrainer:
             )
 
     def _warn_no_signal(self, metrics: dict[str, float]) -> None:
-        """Warn once when most prompt groups of two steps in a row got equal rewards for every response:
-        group-relative advantages are then zero and those groups teach nothing."""
+        """Warn once when most prompt groups of two steps in a row got equal rewards for every response
+        while the step's mean score sat in the lower half of its range (the flat groups are mostly
+        failures): group-relative advantages are then zero and those groups teach nothing. Groups flat
+        because every answer is right (a run that has learned its task) are no cause for a warning."""
         ratio = metrics.get("train/zero_variance_group_ratio", 0.0)
-        flat = ratio > 0.5 and self.cfg.actor_rollout_ref.rollout.n > 1
+        low, high = metrics.get("critic/score/min", 0.0), metrics.get("critic/score/max", 0.0)
+        failing = metrics.get("critic/score/mean", 0.0) <= (low + high) / 2
+        flat = ratio > 0.5 and failing and self.cfg.actor_rollout_ref.rollout.n > 1
         self.flat_steps = self.flat_steps + 1 if flat else 0
         if self.flat_steps == 2 and not self.warned_no_signal:
             self.warned_no_signal = True
