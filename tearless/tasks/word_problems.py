@@ -1,6 +1,6 @@
 """Easy one-step word problems (add or subtract two numbers), for small pretrained instruct models.
 
-A prompt is one user message such as ``"Mia has 23 pencils. She buys 15 more. How many pencils does
+A prompt is one user message such as ``"Mia has 3 pencils. She buys 5 more. How many pencils does
 Mia have now? Answer with a number."``; the ground truth is the integer result (always >= 0). The
 reward is 1.0 when the last integer in the response equals it, else 0.0, so a model may reason in
 words before the answer. This is the real-model recipe's task (docs/real-model.md): SmolLM2-135M-
@@ -35,6 +35,9 @@ _TEMPLATES = [
     ("{n} has {a} {i}. {m} has {b} fewer {i} than {n}. How many {i} does {m} have?", "-"),
 ]
 SUFFIX = " Answer with a number."
+# Operands up to 5 (differences up to 10): SmolLM2-135M-Instruct (Q4_1) answers 35% of such stories
+# greedily; with operands up to 10, 22%; up to 60, 14% (too few right samples for GRPO to learn from).
+MAX_NUMBER = 5
 
 
 def extract_answer(solution_str: str) -> int | None:
@@ -49,12 +52,13 @@ def compute_score(solution_str: str, ground_truth: Any, extra_info: dict | None 
     return 1.0 if answer is not None and answer == int(str(ground_truth).strip()) else 0.0
 
 
-def make_problem(rng: random.Random) -> tuple[int, int, int, int, int]:
-    """(template, name, item, a, b) drawn with ``rng``: a sum of a in [2, 60] and b in [1, 40], or a
-    difference a - b with b in [1, 40] and a in [b + 1, b + 40] (never negative)."""
+def make_problem(rng: random.Random, max_number: int = MAX_NUMBER) -> tuple[int, int, int, int, int]:
+    """(template, name, item, a, b) drawn with ``rng``: a sum of a in [1, max_number] and b in
+    [1, max_number], or a difference a - b with b in [1, max_number] and a in [b + 1, b + max_number]
+    (never negative)."""
     t = rng.randrange(len(_TEMPLATES))
-    b = rng.randint(1, 40)
-    a = rng.randint(2, 60) if _TEMPLATES[t][1] == "+" else rng.randint(b + 1, b + 40)
+    b = rng.randint(1, max_number)
+    a = rng.randint(1, max_number) if _TEMPLATES[t][1] == "+" else rng.randint(b + 1, b + max_number)
     return t, rng.randrange(len(_NAMES)), rng.randrange(len(_ITEMS)), a, b
 
 
@@ -75,16 +79,18 @@ def to_row(problem: tuple[int, int, int, int, int], split: str, index: int) -> d
     }
 
 
-def generate_rows(num: int, *, seed: int, split: str, exclude: set | None = None) -> list[dict]:
+def generate_rows(
+    num: int, *, seed: int, split: str, exclude: set | None = None, max_number: int = MAX_NUMBER
+) -> list[dict]:
     """``num`` distinct problems none of which is in ``exclude``; each drawn one is added to it."""
     rng = random.Random(seed)
     seen = exclude if exclude is not None else set()
     rows: list[dict] = []
-    limit = len(_TEMPLATES) * len(_NAMES) * len(_ITEMS) * 40 * 40
+    limit = len(_TEMPLATES) * len(_NAMES) * len(_ITEMS) * max_number**2
     if num + len(seen) > limit // 2:
         raise ValueError(f"cannot draw {num} distinct word problems (about {limit // 2} exist)")
     while len(rows) < num:
-        problem = make_problem(rng)
+        problem = make_problem(rng, max_number)
         if problem in seen:
             continue
         seen.add(problem)
