@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--preset",
         help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
-        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves "
+        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves, word_problems "
         "(files in tearless/config/presets/)",
     )
     train.add_argument(
