@@ -50,6 +50,7 @@ def steps_of(run_dir) -> list[dict]:
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
 
 
+@pytest.mark.slow
 def test_the_recipe_preset_trains_smollm2_by_its_hub_id(offline, tmp_path, capsys):
     assert main(["data", "make", "word_problems", "--output", str(tmp_path / "wp"), "--num-train", "8",
                  "--num-test", "2"]) == 0  # fmt: skip
@@ -64,6 +65,7 @@ def test_the_recipe_preset_trains_smollm2_by_its_hub_id(offline, tmp_path, capsy
     assert not list(run.glob("global_step_*"))  # save_final_checkpoint=false
 
 
+@pytest.mark.slow
 def test_knights_and_knaves_trains_on_the_real_model_with_the_printed_command(offline, tmp_path, capsys):
     assert main(["data", "make", "knights_knaves", "--output", str(tmp_path / "kk"), "--num-train", "2",
                  "--num-test", "1"]) == 0  # fmt: skip
