@@ -245,19 +245,13 @@ def _apply_user_model_defaults(
     announced in one note line."""
     tree = OmegaConf.to_container(merged, resolve=False)
     explicit = explicit_keys(OmegaConf.to_container(layer, resolve=False) for layer in layers)
-    applied = user_model_defaults(schema.__name__, tree, explicit)
-    if not applied:
-        return
-    for key, value in applied.items():
-        was = OmegaConf.select(merged, key)
+    changes = {}
+    for key, value in user_model_defaults(schema.__name__, tree, explicit).items():
+        changes[key] = (value, OmegaConf.select(merged, key))
         OmegaConf.update(merged, key, value)
-        applied[key] = (value, was)
-    say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
-    say(
-        describe_applied(
-            MODEL_KEY[schema.__name__], {k: v for k, (v, _) in applied.items()}, lambda k: applied[k][1]
-        )
-    )
+    if changes:
+        say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
+        say(describe_applied(MODEL_KEY[schema.__name__], changes))
 
 
 def to_dict(cfg: Any) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +105,9 @@ def user_model_defaults(schema_name: str, merged: dict, explicit: set[str]) -> d
     return {k: v for k, v in table.items() if k not in explicit and _get(merged, k) != v}
 
 
-def describe_applied(model_key: str, applied: dict[str, Any], was: Callable[[str], Any]) -> str:
-    """The one note line listing the applied defaults (``key=new (was old)``)."""
-    items = ", ".join(f"{k}={v} (was {was(k)})" for k, v in applied.items())
+def describe_applied(model_key: str, changes: dict[str, tuple[Any, Any]]) -> str:
+    """The one note line listing the applied defaults, ``changes`` = {key: (new, old)}."""
+    items = ", ".join(f"{k}={new} (was {old})" for k, (new, old) in changes.items())
     return (
         f"{model_key} is a pretrained model, so the defaults tuned for the embedded tiny model give way "
         f"to peer defaults (veRL/TRL): {items}; set a key to keep your own value"
