@@ -80,15 +80,16 @@ def test_knights_and_knaves_trains_on_the_real_model_with_the_printed_command(of
     ]
     assert main([*printed[1:], *extra]) == 0
     (step,) = steps_of(run)
-    # The preset's prompt cap holds the puzzle as SmolLM2's tokenizer reads it.
-    assert 300 < step["prompt_length/max"] <= 1024 and math.isfinite(step["actor/pg_loss"])
+    # The preset's prompt cap holds the puzzle as SmolLM2's tokenizer reads it (216 tokens measured for
+    # these three-person puzzles, system prompt included; far past the embedded model's 128 positions).
+    assert 128 < step["prompt_length/max"] <= 1024 and math.isfinite(step["actor/pg_loss"])
 
 
 def test_an_uncached_hub_id_fails_in_one_line_naming_the_key(offline, tmp_path, capsys):
     code = main(["train", "actor_rollout_ref.model.path=HuggingFaceTB/SmolLM2-360M-Instruct", *TINY])
     assert code == 1
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0
+    note, err = capsys.readouterr().err.strip().splitlines()  # the peer-defaults note, then the error
+    assert note.startswith("tearless: note: actor_rollout_ref.model.path is a pretrained model")
     assert err.startswith(
         "tearless: error: actor_rollout_ref.model.path=HuggingFaceTB/SmolLM2-360M-Instruct: not a local "
         "directory, and not in the Hugging Face cache"

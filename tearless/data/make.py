@@ -75,7 +75,7 @@ def train_command(task: str, paths: dict[str, str]) -> str:
     """The ``tearless train`` command for the files :func:`make_task` wrote.
 
     Arithmetic fits the defaults and the embedded model. The other tasks need a real instruct model
-    (countdown and knights_knaves prompts are ~200 and ~600 tokens, past the embedded model's 128
+    (countdown and knights_knaves prompts are hundreds of tokens, past the embedded model's 128
     positions): their presets set the lengths, and the command names SmolLM2-135M-Instruct by its Hub
     ID (the word_problems preset names it itself), which runs on a laptop CPU; any instruct model's
     directory or Hub ID works in its place.
