@@ -2,10 +2,11 @@
 
 Commands: ``train`` (RL training, veRL-style dotted overrides), ``eval`` (score a model on a
 dataset with the validation metrics), ``sft`` and ``dpo`` (the offline trainers),
-``data make|prepare|inspect`` (datasets), ``samples`` (read a run's rollout records),
-``report`` and ``compare`` (plots and diagnoses of runs), ``config show`` (every key with its value
-and documentation), ``flow-pretrain`` and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``).
-Heavy imports happen inside the commands so ``tearless --help`` is quick.
+``data make|prepare|inspect`` (datasets), ``model import-gguf`` (a GGUF file as a model directory),
+``samples`` (read a run's rollout records), ``report`` and ``compare`` (plots and diagnoses of runs),
+``config show`` (every key with its value and documentation), ``flow-pretrain`` and ``flow-train``
+(Flow-GRPO, defined in ``tearless.flow.cli``). Heavy imports happen inside the commands so
+``tearless --help`` is quick.
 
 Every refusal is one line on stderr (``tearless: error: …``), exit code 1 (2 for a config error): the
 explained errors print their own message, and any other exception prints its type and the first line
@@ -92,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--preset",
         help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
-        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves "
+        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves, word_problems "
         "(files in tearless/config/presets/)",
     )
     train.add_argument(
@@ -108,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_offline_parsers(sub)
     _add_report_parsers(sub)
     _add_samples_parser(sub)
+    _add_model_parser(sub)
     from tearless.flow.cli import add_flow_parsers
 
     add_flow_parsers(sub)
@@ -172,6 +174,8 @@ def _main(argv: list[str]) -> int:
         return _eval(args)
     if args.command == "samples":
         return _samples(args)
+    if args.command == "model":
+        return _model(args)
     if args.command.startswith("flow-"):
         from tearless.flow.cli import run as run_flow
 
@@ -256,13 +260,19 @@ def format_summary(summary: dict, *, accuracies_only: bool = True, digits: int =
 def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     data = sub.add_parser("data", help="prepare, generate and inspect datasets")
     actions = data.add_subparsers(dest="data_command", required=True)
-    prepare = actions.add_parser("prepare", help="convert a local GSM8K or MATH copy to veRL parquet")
+    prepare = actions.add_parser(
+        "prepare", help="convert GSM8K or MATH (a local copy, or the Hub's) to veRL parquet"
+    )
     prepare.add_argument("name", choices=["gsm8k", "math"])
-    prepare.add_argument("--input", required=True, help="a data file, or a directory searched recursively")
+    prepare.add_argument(
+        "--input",
+        help="a data file, a directory searched recursively, or a Hub dataset ID; left out: the Hub's "
+        "openai/gsm8k or DigitalLearningGmbH/MATH-lighteval through the datasets package",
+    )
     prepare.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     prepare.add_argument("--split", choices=["train", "test"], help="split of inputs whose path says neither")
     make = actions.add_parser("make", help="write an embedded task's train and test parquet files")
-    make.add_argument("task", choices=["arithmetic", "countdown", "knights_knaves"])
+    make.add_argument("task", choices=["arithmetic", "countdown", "knights_knaves", "word_problems"])
     make.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     make.add_argument("--num-train", type=int, default=1000, help="training problems (default 1000)")
     make.add_argument("--num-test", type=int, default=100, help="test problems (default 100)")
@@ -440,9 +450,11 @@ def _offline(args: argparse.Namespace) -> int:
         from tearless.trainers.sft import SFTTrainer as trainer
     else:
         from tearless.trainers.dpo import DPOTrainer as trainer
+    from tearless.rewards import RewardFunctionError
+
     try:
         summary = trainer(cfg).fit()
-    except (DataError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+    except (DataError, CheckpointError, FileNotFoundError, FileExistsError, RewardFunctionError) as e:
         # Bad data files or rows: the message names the file, row and fix; a traceback would bury it.
         print(f"tearless: error: {e}", file=sys.stderr)
         return 1
@@ -507,6 +519,41 @@ def _samples(args: argparse.Namespace) -> int:
     return samples_command(
         args.run_dir, step=args.step, worst=args.worst, best=args.best, grep=args.grep, source=args.source
     )
+
+
+def _add_model_parser(sub: argparse._SubParsersAction) -> None:
+    model = sub.add_parser("model", help="model tools: import a GGUF file as a model directory")
+    actions = model.add_subparsers(dest="model_command", required=True)
+    imp = actions.add_parser(
+        "import-gguf",
+        help="write a GGUF file's model and tokenizer as a float32 save_pretrained directory",
+        description="Dequantise GGUF_FILE (llama.cpp's format; needs the gguf package) into OUTPUT_DIR, a "
+        "plain Hugging Face model directory that every tearless command takes as model.path.",
+    )
+    imp.add_argument("gguf_file", metavar="GGUF_FILE")
+    imp.add_argument("output_dir", metavar="OUTPUT_DIR")
+    imp.add_argument(
+        "--hub-id",
+        metavar="ORG/NAME",
+        help="also put the directory in the Hugging Face cache under this ID (for machines without "
+        "network: ORG/NAME then resolves offline)",
+    )
+
+
+def _model(args: argparse.Namespace) -> int:
+    """``tearless model import-gguf``: exit 0, or 2 on a file that cannot be imported."""
+    from tearless.models.gguf import GGUFImportError, import_gguf
+    from tearless.models.hub import add_to_hub_cache
+
+    try:
+        out = import_gguf(args.gguf_file, args.output_dir)
+    except GGUFImportError as e:
+        print(f"tearless: error: {e}", file=sys.stderr)
+        return 2
+    print(f"{out}: model and tokenizer written (float32 safetensors)")
+    if args.hub_id:
+        print(f"{add_to_hub_cache(out, args.hub_id)}: cached as {args.hub_id}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tearless.config.schema import TaskConfig, doc
+from tearless.config.schema import CustomRewardConfig, TaskConfig, doc
 from tearless.config.sft import (
     OfflineModelConfig,
     OfflineOptimConfig,
@@ -156,10 +156,12 @@ class DPOConfig:
     optim: DPOOptimConfig = field(default_factory=DPOOptimConfig)
     trainer: DPOTrainerConfig = field(default_factory=DPOTrainerConfig)
     task: DPOTaskConfig = field(default_factory=DPOTaskConfig)
+    # The reward function of the held-out greedy accuracy on data.val_prompt_files (as in tearless train).
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first wrong key and the fix (called by ``load_config``)."""
-        validate_common(self.data, self.model, self.optim)
+        validate_common(self.data, self.model, self.optim, self.custom_reward_function)
         self.trainer.validate()
         validate_algorithm(self.algorithm, self.data, self.model)
         if self.data.train_files is None:

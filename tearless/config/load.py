@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tearless.config.schema import Config
+from tearless.config.user_model import MODEL_KEY, describe_applied, explicit_keys, user_model_defaults
 
 
 class ConfigError(ValueError):
@@ -214,6 +215,7 @@ def load_config(
             if isinstance(e, TypeError):
                 raise ConfigError(f"{source} does not fit the config's structure: {e}") from e
             raise _explain(e, source, schema) from e
+    _apply_user_model_defaults(merged, [layer for layer, _ in layers], schema, notify)
     if schema is Config and merged.trainer.experiment_name is None:
         from tearless.config.identity import default_experiment_name
 
@@ -234,6 +236,22 @@ def load_config(
         elif hasattr(cfg, "validate"):
             cfg.validate()
     return cfg
+
+
+def _apply_user_model_defaults(
+    merged: Any, layers: list[Any], schema: type, notify: Callable[[str], None] | None
+) -> None:
+    """Peer defaults for a pretrained model's keys that no layer set (tearless.config.user_model),
+    announced in one note line."""
+    tree = OmegaConf.to_container(merged, resolve=False)
+    explicit = explicit_keys(OmegaConf.to_container(layer, resolve=False) for layer in layers)
+    changes = {}
+    for key, value in user_model_defaults(schema.__name__, tree, explicit).items():
+        changes[key] = (value, OmegaConf.select(merged, key))
+        OmegaConf.update(merged, key, value)
+    if changes:
+        say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
+        say(describe_applied(MODEL_KEY[schema.__name__], changes))
 
 
 def to_dict(cfg: Any) -> dict:

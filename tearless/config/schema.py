@@ -90,6 +90,12 @@ class ModelConfig:
     )
     lora_rank: int = doc(0, "LoRA rank r through peft (0 = full fine-tuning); the reference = adapters off")
     lora_alpha: float = doc(16, "LoRA scale numerator: the update is (lora_alpha / lora_rank) · B A")
+    lora_adapter_path: str | None = doc(
+        None,
+        "continue training a saved peft LoRA adapter (a directory with adapter_config.json, or a Hub ID; "
+        "veRL's and TRL's key) on model.path instead of fresh adapters; its rank r must equal lora_rank, "
+        "and its lora_alpha and target_modules are used. null = fresh adapters",
+    )
     target_modules: Any = doc(
         "all-linear", "layers given adapters: all-linear | a list (or comma-separated: q_proj,v_proj)"
     )
@@ -535,7 +541,15 @@ class TrainerConfig:
         "runs/${trainer.project_name}/${trainer.experiment_name}",
         "run directory: metrics, rollout samples and global_step_N checkpoints",
     )
-    save_freq: int = doc(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    save_freq: int = doc(
+        -1, "checkpoint every N steps; -1 = no intermediate checkpoint (the final one: save_final_checkpoint)"
+    )
+    save_final_checkpoint: bool = doc(
+        True,
+        "write a checkpoint after the last step; false = none unless save_freq asks (a full fine-tune's "
+        "checkpoint holds weights and AdamW state: ~12 bytes per parameter). A run that "
+        "trainer.max_bad_steps stops always saves one",
+    )
     test_freq: int = doc(-1, "validate every N steps (and at the end); -1 = only at the end")
     val_before_train: bool = doc(True, "validate before the first step")
     val_only: bool = doc(False, "validate and stop")
@@ -549,7 +563,7 @@ class TrainerConfig:
         "Bookkeeping keys (steps, logging, checkpoints, micro-batch sizes, validation, workers) may "
         "always change. A changed optimizer setting is applied to the restored optimizer",
     )
-    max_actor_ckpt_to_keep: int | None = doc(None, "keep only the newest N checkpoints; null = all")
+    max_actor_ckpt_to_keep: int | None = doc(3, "keep only the newest N checkpoints; null = all")
     seed: int = doc(1, "seed of every random choice (sampling, shuffling, initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tearless.config.schema import KEEP_FREED_MEMORY_DOC, doc
+from tearless.config.schema import KEEP_FREED_MEMORY_DOC, CustomRewardConfig, doc
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 SCHEDULERS = ("constant", "cosine")
@@ -113,12 +113,17 @@ class OfflineTrainerConfig:
         "runs/${trainer.project_name}/${trainer.experiment_name}",
         "run directory: metrics.jsonl and global_step_N checkpoints",
     )
-    save_freq: int = doc(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    save_freq: int = doc(
+        -1, "checkpoint every N steps; -1 = no intermediate checkpoint (the final one: save_final_checkpoint)"
+    )
+    save_final_checkpoint: bool = doc(
+        True, "write a checkpoint after the last step; false = none unless save_freq asks"
+    )
     test_freq: int = doc(-1, "validate every N steps (and at the end); -1 = only at the end")
     val_before_train: bool = doc(True, "validate before the first step")
     resume_mode: str = doc("auto", "auto (latest complete checkpoint) | disable | resume_path")
     resume_from_path: Any = doc(None, "a global_step_N directory, with resume_mode=resume_path")
-    max_ckpt_to_keep: Any = doc(None, "keep only the newest N checkpoints; null = all")
+    max_ckpt_to_keep: Any = doc(3, "keep only the newest N checkpoints; null = all")
     seed: int = doc(1, "seed of every random choice (shuffling, the embedded model's initialisation)")
     device: str = doc("auto", "auto | cpu | cuda")
     num_threads: int = doc(0, "torch CPU threads; 0 = torch's default")
@@ -155,10 +160,19 @@ class SFTTaskConfig:
     num_layers: int = doc(2, "layers of the fresh tiny Llama (when model.path is null)")
 
 
-def validate_common(data: Any, model: OfflineModelConfig, optim: OfflineOptimConfig) -> None:
+def validate_common(data: Any, model: OfflineModelConfig, optim: OfflineOptimConfig, crf: Any = None) -> None:
     """Checks shared by the SFT and DPO configs."""
+    import os
+
     from tearless.data.prompts import TRUNCATION_MODES
     from tearless.models.loading import DTYPES
+
+    if crf is not None and crf.path is not None and not os.path.isfile(os.path.expanduser(crf.path)):
+        fail(
+            "custom_reward_function.path",
+            f"{crf.path!r} is not a file",
+            "Point it at the .py file of your scorer.",
+        )
 
     positive("data.train_batch_size", data.train_batch_size)
     if data.micro_batch_size_per_gpu is not None:
@@ -190,10 +204,12 @@ class SFTConfig:
     optim: OfflineOptimConfig = field(default_factory=OfflineOptimConfig)
     trainer: OfflineTrainerConfig = field(default_factory=OfflineTrainerConfig)
     task: SFTTaskConfig = field(default_factory=SFTTaskConfig)
+    # The reward function of the held-out greedy accuracy on data.val_prompt_files (as in tearless train).
+    custom_reward_function: CustomRewardConfig = field(default_factory=CustomRewardConfig)
 
     def validate(self) -> None:
         """Raise ``ConfigError`` naming the first wrong key and the fix (called by ``load_config``)."""
-        validate_common(self.data, self.model, self.optim)
+        validate_common(self.data, self.model, self.optim, self.custom_reward_function)
         self.trainer.validate()
         if self.data.train_files is None:
             one_of("task.name", self.task.name, ("arithmetic",))

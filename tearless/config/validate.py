@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from tearless.config.schema import Config
@@ -526,6 +528,33 @@ def _validate_multi_turn(cfg: Config) -> None:
         )
 
 
+def _validate_adapter(path: str, rank: int) -> None:
+    """``lora_adapter_path`` holds a peft LoRA adapter whose rank is ``lora_rank`` (read before any model
+    loads; a Hub ID is resolved, and downloaded unless offline, here)."""
+    from tearless.models.hub import local_model_path
+
+    key = "actor_rollout_ref.model.lora_adapter_path"
+    try:
+        local = local_model_path(path, key)
+    except FileNotFoundError as err:
+        _fail(key, str(err).removeprefix(f"{key}={path}: "), "Fix the path or the Hub ID.")
+    try:
+        adapter = json.loads((Path(local) / "adapter_config.json").read_text())
+    except (OSError, ValueError):
+        _fail(
+            key,
+            f"{path!r} has no readable adapter_config.json",
+            "Point it at a directory peft's save_pretrained wrote.",
+        )
+    if adapter.get("peft_type", "LORA") != "LORA" or adapter.get("r") != rank:
+        _fail(
+            key,
+            f"the adapter is {adapter.get('peft_type')} with rank r={adapter.get('r')}, not LoRA with "
+            f"actor_rollout_ref.model.lora_rank={rank}",
+            f"Set actor_rollout_ref.model.lora_rank={adapter.get('r')}.",
+        )
+
+
 def _validate_lora(cfg: Config) -> None:
     m = cfg.actor_rollout_ref.model
     if not isinstance(m.lora_rank, int) or isinstance(m.lora_rank, bool) or m.lora_rank < 0:
@@ -534,6 +563,8 @@ def _validate_lora(cfg: Config) -> None:
             f"must be an integer >= 0, got {m.lora_rank!r}",
             "Use 0 for full fine-tuning or a rank such as 8, 16 or 32.",
         )
+    if m.lora_adapter_path is not None:
+        _validate_adapter(m.lora_adapter_path, m.lora_rank)
     if m.lora_rank == 0:
         if m.lora_save_merged:
             _fail(

@@ -247,12 +247,6 @@ RULES: list[Rule] = [
         instead="list the wanted layers in actor_rollout_ref.model.target_modules",
     ),
     Rule(
-        f"{ARR}.model.lora_adapter_path",
-        "training starts from fresh adapters",
-        accept=(None,),
-        instead="merge the adapter into the model (peft merge_and_unload) and pass that directory",
-    ),
-    Rule(
         f"{ARR}.model.mtp.enable*",
         "multi-token-prediction heads are not implemented",
         accept=(False,),

@@ -1,7 +1,8 @@
 """Write the embedded tasks as train/test parquet files (``tearless data make``).
 
-Tasks: ``arithmetic`` (the default run's addition), ``countdown`` (TinyZero) and
-``knights_knaves`` (Logic-RL, ``num_people`` inhabitants, unique solutions). The test split is drawn
+Tasks: ``arithmetic`` (the default run's addition), ``countdown`` (TinyZero),
+``knights_knaves`` (Logic-RL, ``num_people`` inhabitants, unique solutions) and ``word_problems``
+(one-step add/subtract stories, the real-model recipe's task). The test split is drawn
 first from ``seed`` and the training split from ``seed + 1`` with every test problem excluded, so the
 two never share a problem and the same seed always gives the same files.
 """
@@ -13,7 +14,9 @@ from pathlib import Path
 
 from tearless.data.rows import DataError, write_parquet
 
-TASKS = ("arithmetic", "countdown", "knights_knaves")
+TASKS = ("arithmetic", "countdown", "knights_knaves", "word_problems")
+# The real model the commands name: small enough to train on a laptop CPU (docs/real-model.md).
+REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def make_rows(
@@ -35,6 +38,8 @@ def make_rows(
         return {"train": train, "test": test}
     if task == "countdown":
         from tearless.tasks import countdown as module
+    elif task == "word_problems":
+        from tearless.tasks import word_problems as module
     else:
         from tearless.tasks import knights_knaves as module
     extra = {"num_people": num_people or 3} if task == "knights_knaves" else {}
@@ -69,12 +74,15 @@ def make_task(
 def train_command(task: str, paths: dict[str, str]) -> str:
     """The ``tearless train`` command for the files :func:`make_task` wrote.
 
-    Arithmetic fits the defaults and the embedded model. Countdown and knights_knaves prompts are
-    hundreds of tokens (up to ~290 and ~760 with the embedded character-level tokenizer), longer than
-    the embedded model's 128 positions: their presets set the lengths, and the command names the
-    model to bring (a path to fill in).
+    Arithmetic fits the defaults and the embedded model. The other tasks need a real instruct model
+    (countdown and knights_knaves prompts are hundreds of tokens, past the embedded model's 128
+    positions): their presets set the lengths, and the command names SmolLM2-135M-Instruct by its Hub
+    ID (the word_problems preset names it itself), which runs on a laptop CPU; any instruct model's
+    directory or Hub ID works in its place.
     """
     files = f"data.train_files={paths['train']} data.val_files={paths['test']}"
     if task == "arithmetic":
         return f"tearless train {files}"
-    return f"tearless train --preset {task} {files} actor_rollout_ref.model.path=/path/to/an/instruct/model"
+    if task == "word_problems":
+        return f"tearless train --preset {task} {files}"
+    return f"tearless train --preset {task} {files} actor_rollout_ref.model.path={REAL_MODEL}"

@@ -14,9 +14,11 @@ Supported layouts (a file, or a directory searched recursively for ``.parquet``,
   ``\\boxed{…}`` of the solution (problems with neither are skipped and counted);
   ``data_source`` is ``DigitalLearningGmbH/MATH-lighteval``.
 
-Each file's split is read from its path (see :func:`split_of`) unless ``split`` is given. The
-prompt is one user message: the question followed by veRL's instruction for the dataset, so prompts
-match veRL-prepared files.
+Without a local copy (``--input`` left out, or given a Hub dataset ID), the dataset is read through
+the ``datasets`` package from the Hub (``openai/gsm8k``, ``DigitalLearningGmbH/MATH-lighteval``) and
+cached as ``datasets`` does. Each file's split is read from its path (see :func:`split_of`) unless
+``split`` is given. The prompt is one user message: the question followed by veRL's instruction for
+the dataset, so prompts match veRL-prepared files.
 """
 
 from __future__ import annotations
@@ -122,30 +124,75 @@ def math_row(record: dict, split: str, index: int) -> dict | None:
 
 
 PREPARERS: dict[str, Callable[[dict, str, int], dict | None]] = {"gsm8k": gsm8k_row, "math": math_row}
+# The Hub dataset (and configuration) each name is read from when no local copy is given.
+HUB_DATASETS = {"gsm8k": ("openai/gsm8k", "main"), "math": ("DigitalLearningGmbH/MATH-lighteval", "default")}
+
+
+def hub_records(name: str, hub_id: str | None = None) -> dict[str, list[dict]]:
+    """``{split: records}`` of dataset ``name`` read through the ``datasets`` package (downloaded and
+    cached under ``HF_HOME``, or read from that cache with ``HF_HUB_OFFLINE=1``) from ``hub_id``
+    (default: :data:`HUB_DATASETS`); ``validation`` counts as ``test``."""
+    repo, config = HUB_DATASETS[name]
+    if hub_id is not None and hub_id != repo:
+        repo, config = hub_id, None
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"reading {repo} from the Hugging Face Hub needs the datasets package: pip install datasets "
+            "(or 'tearless[hub-data]'), or pass --input a local copy of its files"
+        ) from None
+    try:
+        loaded = datasets.load_dataset(repo, config) if config else datasets.load_dataset(repo)
+    except Exception as err:  # datasets raises many types (connection, offline cache miss, bad config)
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DataError(
+            f"cannot read the Hub dataset {repo}: {first}. Download it once online, or pass --input a "
+            "local copy of its files"
+        ) from None
+    out: dict[str, list[dict]] = {}
+    for part, table in loaded.items():
+        split = split_of(Path(part))
+        if split is not None:
+            out.setdefault(split, []).extend(table.to_list())
+    return out
 
 
 def prepare(
-    name: str, source: str | os.PathLike, output: str | os.PathLike, *, split: str | None = None
+    name: str, source: str | os.PathLike | None, output: str | os.PathLike, *, split: str | None = None
 ) -> dict[str, Any]:
     """Convert dataset ``name`` from ``source`` into ``<output>/<split>.parquet``.
 
+    ``source`` is a local file or directory; ``None``, or a Hub dataset ID (``org/name``) that is not
+    a local path, reads the dataset through ``datasets`` (:func:`hub_records`).
     Returns ``{"files": {split: path}, "rows": {split: n}, "skipped": {split: n}}``.
     """
     if name not in PREPARERS:
         raise DataError(f"unknown dataset {name!r}; known: {', '.join(PREPARERS)}")
     to_row = PREPARERS[name]
     summary: dict[str, Any] = {"files": {}, "rows": {}, "skipped": {}}
-    for part, files in find_files(Path(source), split).items():
+    if source is None or (not Path(source).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(source))):
+        parts = {
+            part: [(f"{source or HUB_DATASETS[name][0]} ({part})", records)]
+            for part, records in hub_records(name, None if source is None else str(source)).items()
+            if split is None or part == split
+        }
+    else:
+        parts = {
+            part: [(str(file.parent), read_records(file)) for file in files]
+            for part, files in find_files(Path(source), split).items()
+        }
+    for part, groups in parts.items():
         rows, skipped = [], 0
-        for file in files:
-            for record in read_records(file):
+        for _, records in groups:
+            for record in records:
                 row = to_row(record, part, len(rows) + skipped)
                 if row is None:
                     skipped += 1
                 else:
                     rows.append(row)
         if not rows:
-            raise DataError(f"no usable {name} records for the {part} split in {files[0].parent}")
+            raise DataError(f"no usable {name} records for the {part} split in {groups[0][0]}")
         path = Path(output) / f"{part}.parquet"
         write_parquet(rows, path)
         summary["files"][part], summary["rows"][part], summary["skipped"][part] = (

@@ -1,4 +1,4 @@
-"""Load Hugging Face causal LMs and tokenizers from local directories (nothing is downloaded)."""
+"""Load Hugging Face causal LMs and tokenizers from local directories or Hub IDs (tearless.models.hub)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from tearless.models.hub import is_hub_id, resolve_hub_model
 
 DTYPES = {
     "float32": torch.float32,
@@ -19,12 +21,17 @@ DTYPES = {
 
 
 def check_model_dir(path: str | os.PathLike, key: str) -> Path:
+    """The local model directory for ``key``'s value: the directory itself, or the cached snapshot
+    of a Hub ID ``org/name[@revision]`` (downloaded unless ``HF_HUB_OFFLINE``, see
+    :mod:`tearless.models.hub`); one clear error naming the key when it is neither."""
     p = Path(path).expanduser()
+    if is_hub_id(path):
+        p = resolve_hub_model(str(path), key)
     if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise FileNotFoundError(
             f"{key}={path!s}: no Hugging Face model directory there (expected config.json or "
-            "tokenizer_config.json). Point it at a directory written by save_pretrained; tearless never "
-            "downloads from a hub."
+            "tokenizer_config.json). Point it at a directory written by save_pretrained, or at a Hub "
+            "model ID (org/name, optionally org/name@revision)"
         )
     return p
 

@@ -1,12 +1,12 @@
 """Reward-model scoring: a Hugging Face sequence-classification model scores (prompt, response) pairs.
 
-The model is loaded from a local directory with ``AutoModelForSequenceClassification`` and must
-have one output (``num_labels=1``): its logit at the last non-padding token is the reward. Each
-pair is rendered as a conversation ending in the assistant's response: with the tokenizer's chat
-template when it has one, else as ``"role: content"`` lines followed by ``"assistant: <response>"``
-(the same plain rendering :func:`tearless.data.render_prompt` uses). A pair longer than
-``max_length`` tokens keeps its last ``max_length`` tokens, since the response's end is what the
-model judges.
+The model is loaded from a local directory (or a Hub ID, :mod:`tearless.models.hub`) with
+``AutoModelForSequenceClassification`` and must have one output (``num_labels=1``): its logit at the
+last non-padding token is the reward. Each pair is rendered as a conversation ending in the
+assistant's response: with the tokenizer's chat template when it has one, else as
+``"role: content"`` lines followed by ``"assistant: <response>"`` (the same plain rendering
+:func:`tearless.data.render_prompt` uses). A pair longer than ``max_length`` tokens keeps its last
+``max_length`` tokens, since the response's end is what the model judges.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tearless.models.hub import local_model_path
+
 
 class RewardModelScorer:
     """Scores pairs in micro-batches of ``micro_batch_size`` (``None``: all at once).
 
     Args:
-        path: local directory with the model and its tokenizer (``reward_model.model.path``).
+        path: local directory or Hub ID of the model and its tokenizer (``reward_model.model.path``).
         micro_batch_size: pairs per forward pass (``reward_model.micro_batch_size_per_gpu``).
         max_length: longest pair in tokens (``reward_model.max_length``); ``None`` = no limit.
         device: where the model runs.
@@ -40,8 +42,9 @@ class RewardModelScorer:
             raise ValueError(f"reward_model.micro_batch_size_per_gpu must be >= 1, got {micro_batch_size}")
         if max_length is not None and max_length < 2:
             raise ValueError(f"reward_model.max_length must be >= 2 tokens, got {max_length}")
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+        local = local_model_path(path, "reward_model.model.path")
+        self.tokenizer = AutoTokenizer.from_pretrained(local)
+        self.model = AutoModelForSequenceClassification.from_pretrained(local, dtype=torch.float32)
         if self.model.config.num_labels != 1:
             raise ValueError(
                 f"reward_model.model.path={path!r} has {self.model.config.num_labels} outputs; "

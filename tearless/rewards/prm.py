@@ -28,6 +28,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tearless.models.hub import local_model_path
 from tearless.rewards.steps import char_ends_to_tokens, split_steps
 
 PRM_KINDS = ("token_classification", "causal_lm", "implicit")
@@ -78,7 +79,7 @@ class ProcessRewardScorer:
     """Scores the steps of (prompt, response) pairs in micro-batches of ``micro_batch_size``.
 
     Args:
-        path: local directory with the model and its tokenizer (``reward_model.step_reward.prm.path``).
+        path: local directory or Hub ID of the model and tokenizer (``reward_model.step_reward.prm.path``).
         kind: ``token_classification`` or ``causal_lm`` (see the module docs).
         separator, separator_regex: what cuts a response into steps.
         good_token, bad_token, step_tag: the ``causal_lm`` reading (each token one vocabulary entry).
@@ -113,6 +114,7 @@ class ProcessRewardScorer:
             )
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"the PRM micro-batch size must be >= 1, got {micro_batch_size}")
+        path = local_model_path(path, "reward_model.step_reward.prm.path")
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         loader = AutoModelForTokenClassification if kind == "token_classification" else AutoModelForCausalLM
         self.model = loader.from_pretrained(path, dtype=torch.float32)
@@ -127,6 +129,7 @@ class ProcessRewardScorer:
                 raise ValueError(
                     "reward_model.step_reward.prm.ref_path: the implicit PRM needs its reference model"
                 )
+            ref_path = local_model_path(ref_path, "reward_model.step_reward.prm.ref_path")
             self.ref = AutoModelForCausalLM.from_pretrained(ref_path, dtype=torch.float32)
             self.ref.to(device).eval().requires_grad_(False)
         self.beta = beta

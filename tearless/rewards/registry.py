@@ -26,6 +26,7 @@ _CODE = "tearless.rewards.code_reward:compute_score"
 _KK = "tearless.tasks.knights_knaves:compute_score"
 _BUILTIN: dict[str, str] = {
     "arithmetic": "tearless.tasks.arithmetic:compute_score",
+    "word_problems": "tearless.tasks.word_problems:compute_score",
     "gsm8k": "tearless.rewards.gsm8k:compute_score",
     "openai/gsm8k": "tearless.rewards.gsm8k:compute_score",
     "math": _MATH,

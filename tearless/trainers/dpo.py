@@ -2,12 +2,13 @@ r"""Offline preference optimisation: the ``dpo_loss`` family on pairs, ``kto_los
 
 The log-probability of a response is the sum over its tokens,
 :math:`\log\pi(y \mid x) = \sum_t m_t \log\pi(y_t \mid x, y_{<t})`, with :math:`m_t` its assistant-token
-mask, and its length L is :math:`\sum_t m_t`. Before the first step the reference's log-probs of both
-sides of every training and held-out item (a pair's chosen and rejected responses; a KTO example's
-response and its mismatched KL sequence) are computed once (the reference is the starting model, or
-``model.ref_path``; zero with ``reference_free`` and for the reference-free cpo, simpo and orpo),
-stored by item index and saved in each checkpoint, so no reference model stays in memory and a
-resumed run reuses the same numbers. One step on pairs:
+mask, and its length L is :math:`\sum_t m_t`. The reference's log-probs of both sides of an item (a
+pair's chosen and rejected responses; a KTO example's response and its mismatched KL sequence) are
+computed when the item is first used, batch by batch (TRL's default; the whole file up front kept a
+real model silent for minutes), by a frozen copy of the starting model or by ``model.ref_path`` (zero
+with ``reference_free`` and for the reference-free cpo, simpo and orpo), stored by item index and
+saved in each checkpoint, so each is computed once and a resumed run reuses the same numbers. One step
+on pairs:
   1. forward the chosen and the rejected sides of each micro-batch in one batch;
   2. ``dpo_loss`` (``algorithm.loss_type``) of the summed log-probs, their lengths and the step's mean
      chosen length (so token-mean NLL terms stay the step's token mean), weighted by the micro-batch's
@@ -23,6 +24,7 @@ items give the same under ``val/``, and the held-out prompts give greedy task ac
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +37,7 @@ from tearless.config.dpo import DPOConfig
 from tearless.data.pairs import PairDataset, UnpairedDataset, collate_pairs, side_lengths
 from tearless.data.sft import read_many
 from tearless.trainers import offline
+from tearless.trainers.progress import Progress
 from tearless.trainers.sft import token_logps
 
 PAIR_SIDES = ("chosen", "rejected")
@@ -143,6 +146,11 @@ class DPOTrainer:
         self.run_dir = Path(t.default_local_dir)
         self.start_step, state, resume_dir = offline.find_resume(t, self.run_dir)
         model_path, train_files, val_files, prompt_files = self._resolve_paths()
+        # The held-out scorer is checked before anything of the model (its tokenizer included) loads.
+        self.prompt_rows = load_many(prompt_files) if prompt_files else []
+        if data.val_max_samples > 0:
+            self.prompt_rows = self.prompt_rows[: data.val_max_samples]
+        self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, "model.path")
         self.unpaired = cfg.algorithm.loss_type in KTO_LOSSES
         keys = dict(
@@ -157,10 +165,8 @@ class DPOTrainer:
         dataset = UnpairedDataset if self.unpaired else PairDataset
         self.train_set = dataset(read_many(train_files), self.tokenizer, source=str(train_files), **keys)
         val_records = read_many(val_files) if val_files else []
-        self.prompt_rows = load_many(prompt_files) if prompt_files else []
         if data.val_max_samples > 0:
             val_records = val_records[: data.val_max_samples]
-            self.prompt_rows = self.prompt_rows[: data.val_max_samples]
         self.val_set = (
             dataset(val_records, self.tokenizer, source=str(val_files), **keys) if val_records else None
         )
@@ -178,12 +184,17 @@ class DPOTrainer:
             key="model.path",
         ).to(self.device)
         self.optimizer, self.scheduler = offline.make_optimizer(self.model, cfg.optim, self.total_steps)
+        # Reference log-probs are computed batch by batch as items are first used (TRL's default), by a
+        # frozen copy of the starting model (or model.ref_path), and kept in checkpoints.
+        self.ref_source = cfg.model.ref_path or model_path
+        self.ref_model: torch.nn.Module | None = None
+        self.ref: dict[str, dict[int, tuple[float, ...]]] = {"train": {}, "val": {}}
         if state is not None:
             offline.restore(state, self.optimizer, self.scheduler)
-            self.ref = state["reference_logps"]
+            self.ref.update(state["reference_logps"])
             log(f"resumed from {resume_dir} at step {self.start_step}")
-        else:
-            self.ref = self._reference(cfg.model.ref_path or model_path)
+        elif cfg.model.ref_path is None and not self._reference_free():
+            self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def _resolve_paths(self) -> tuple[Any, Any, Any, Any]:
         """Model, train pairs, held-out pairs and held-out prompts; the embedded task's where null."""
@@ -211,28 +222,42 @@ class DPOTrainer:
         )
         return model_path or files.model_dir, pairs.train_file, pairs.val_file, files.val_file
 
-    def _reference(self, ref_path: Any) -> dict[str, dict[int, tuple[float, ...]]]:
-        """Reference log-probs of both sides of every train and held-out item (zeros without a
-        reference: ``reference_free``, or a reference-free loss type)."""
+    def _reference_free(self) -> bool:
+        alg = self.cfg.algorithm
+        return alg.reference_free or alg.loss_type in REFERENCE_FREE
+
+    def _fill_reference(self, split: str, items: Sequence[dict]) -> dict[int, tuple[float, ...]]:
+        """``self.ref[split]`` with the reference log-probs of both sides of ``items`` added where missing
+        (zeros without a reference: ``reference_free``, or a reference-free loss type)."""
         from tearless.models.loading import load_causal_lm
 
-        sets = {"train": self.train_set, "val": self.val_set}
-        alg = self.cfg.algorithm
-        if alg.reference_free or alg.loss_type in REFERENCE_FREE:
-            return {k: {s[i]["index"]: (0.0, 0.0) for i in range(len(s))} for k, s in sets.items() if s}
-        same = self.cfg.model.ref_path is None
-        ref_model = (
-            self.model if same else load_causal_lm(ref_path, dtype=self.cfg.model.dtype, key="model.ref_path")
-        )
-        ref_model.to(self.device)
+        known = self.ref[split]
+        todo = [it for it in items if it["index"] not in known]
+        if not todo:
+            return known
+        if self._reference_free():
+            known.update({it["index"]: (0.0, 0.0) for it in todo})
+            return known
+        if self.ref_model is None:  # model.ref_path, or a resumed run's starting model
+            key = "model.ref_path" if self.cfg.model.ref_path else "model.path"
+            model = load_causal_lm(self.ref_source, dtype=self.cfg.model.dtype, key=key)
+            self.ref_model = model.to(self.device).eval().requires_grad_(False)
         size = self.cfg.data.micro_batch_size_per_gpu or 64
-        pad = self.tokenizer.pad_token_id
         sides = KTO_SIDES if self.unpaired else PAIR_SIDES
-        return {
-            k: reference_logps(ref_model, s, pad_token_id=pad, micro_batch_size=size, sides=sides)
-            for k, s in sets.items()
-            if s
-        }
+        progress = Progress(self.log, f"reference log-probs ({split})", len(todo), "items")
+        for start in range(0, len(todo), size):
+            chunk = todo[start : start + size]
+            known.update(
+                reference_logps(
+                    self.ref_model,
+                    chunk,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    micro_batch_size=size,
+                    sides=sides,
+                )
+            )
+            progress.update(start + len(chunk))
+        return known
 
     def _step_kwargs(self) -> dict[str, Any]:
         alg = self.cfg.algorithm
@@ -265,7 +290,7 @@ class DPOTrainer:
     def train_step(self, items: list[dict]) -> dict[str, float]:
         started = time.perf_counter()
         self.model.train()
-        metrics = self._step(items, self.ref["train"])
+        metrics = self._step(items, self._fill_reference("train", items))
         metrics["train/loss"] = metrics.pop("loss")
         metrics.update(
             offline.optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.clip_grad)
@@ -282,7 +307,7 @@ class DPOTrainer:
             # aot sorts over the whole batch: score the held-out pairs in one piece, as in training.
             sorts = self.cfg.algorithm.loss_type in ("aot", "aot_unpaired")
             micro = None if sorts else self.cfg.data.micro_batch_size_per_gpu or 64
-            val = self._step(items, self.ref["val"], train=False, micro_batch_size=micro)
+            val = self._step(items, self._fill_reference("val", items), train=False, micro_batch_size=micro)
             metrics.update({f"val/{k}": v for k, v in val.items()})
         if self.prompt_rows:
             metrics.update(
@@ -291,6 +316,8 @@ class DPOTrainer:
                     self.tokenizer,
                     self.prompt_rows,
                     max_new_tokens=self.cfg.data.max_response_length,
+                    score_fn=self.score_fn,
+                    log=self.log,
                 )
             )
         return metrics

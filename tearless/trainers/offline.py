@@ -9,10 +9,12 @@ trainer's metric name, so runs of every trainer compare directly).
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,7 +23,11 @@ import torch
 from tearless.config import to_dict
 from tearless.config.sft import OfflineOptimConfig, OfflineTrainerConfig
 from tearless.cpu import configure_cpu
+from tearless.data.rows import DataError
+from tearless.rewards import UnknownDataSource, compute_score, get_scorer
+from tearless.rewards.manager import load_reward_function
 from tearless.trainers import checkpoint as ckpt
+from tearless.trainers.progress import Progress
 from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import lr_lambda
 
@@ -174,7 +180,7 @@ def fit(trainer: OfflineTrainer) -> dict[str, Any]:
             if should(t.test_freq, step, last):
                 summary["after"] = trainer.validate()
                 metrics.update(summary["after"])
-            if should(t.save_freq, step, last):
+            if (last and t.save_final_checkpoint) or (t.save_freq > 0 and step % t.save_freq == 0):
                 summary["checkpoint"] = str(trainer.save(step))
             tracker.log(metrics, step)
         if "after" in summary:
@@ -200,6 +206,21 @@ def save(trainer: Any, step: int, **extra: Any) -> Path:
     )
 
 
+def held_out_scorer(crf: Any, rows: list[dict]) -> Callable[..., Any]:
+    """The reward function of the held-out greedy accuracy, checked before any model loads:
+    ``custom_reward_function.path``'s function (with its ``reward_kwargs``), or the built-in scorers,
+    which must know every ``data_source`` of ``rows`` (else one :class:`DataError` naming the fix)."""
+    if crf.path:
+        fn = load_reward_function(crf.path, crf.name)
+        return functools.partial(fn, **crf.reward_kwargs) if crf.reward_kwargs else fn
+    for source in sorted({str(r["data_source"]) for r in rows}):
+        try:
+            get_scorer(source)
+        except UnknownDataSource as err:
+            raise DataError(f"data.val_prompt_files: {err}") from None
+    return compute_score
+
+
 @torch.no_grad()
 def greedy_accuracy(
     model: torch.nn.Module,
@@ -207,16 +228,22 @@ def greedy_accuracy(
     rows: list[dict],
     *,
     max_new_tokens: int,
-    batch_size: int = 256,
+    batch_size: int = 32,
+    score_fn: Callable[..., Any] | None = None,
+    log: Callable[[str], None] = print,
 ) -> dict[str, float]:
-    """Greedy held-out accuracy and mean score per ``data_source`` with the built-in scorers.
+    """Greedy held-out accuracy and mean score per ``data_source`` with ``score_fn`` (veRL's
+    ``compute_score(data_source, solution_str, ground_truth, extra_info)``; default: the built-in
+    scorers), generated ``batch_size`` prompts at a time with a progress line when it is slow.
 
     ``rows`` are veRL-schema prompt rows. A response is correct when its scorer's ``acc`` is true
     or, without one, its score is ≥ 1 (as in the RL trainer's validation).
     """
     from tearless.data.sft import sft_prompt
-    from tearless.rewards import compute_score
     from tearless.rollout.hf import HFRollout
+
+    score_fn = score_fn or compute_score
+    progress = Progress(log, "held-out greedy accuracy", len(rows), "prompts")
 
     eos = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -232,12 +259,13 @@ def greedy_accuracy(
         )
         for row, ids, mask in zip(chunk, out.response_ids, out.response_mask, strict=True):
             text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
-            result = compute_score(
+            result = score_fn(
                 row["data_source"], text, row["reward_model"]["ground_truth"], row.get("extra_info")
             )
             score = float(result["score"]) if isinstance(result, dict) else float(result)
             acc = bool(result["acc"]) if isinstance(result, dict) and "acc" in result else score >= 1.0
             per_source[row["data_source"]].append((score, acc))
+        progress.update(start + len(chunk))
     metrics = {}
     for src, vals in per_source.items():
         metrics[f"val-core/{src}/acc/greedy"] = sum(a for _, a in vals) / len(vals)

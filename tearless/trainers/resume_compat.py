@@ -40,8 +40,8 @@ _BOOKKEEPING_KEYS = {
         f"trainer.{k}"
         for k in (
             "total_epochs", "total_training_steps", "project_name", "experiment_name", "logger",
-            "default_local_dir", "save_freq", "test_freq", "val_before_train", "val_only",
-            "resume_mode", "resume_from_path", "resume_allow_changes", "max_actor_ckpt_to_keep",
+            "default_local_dir", "save_freq", "save_final_checkpoint", "test_freq", "val_before_train",
+            "val_only", "resume_mode", "resume_from_path", "resume_allow_changes", "max_actor_ckpt_to_keep",
             "device", "num_threads", "keep_freed_memory", "log_freq", "num_rollout_samples",
             "rollout_log_max_mb", "max_bad_steps", "nnodes", "n_gpus_per_node", "placement",
             "colocate", "worker_timeout_s", "num_cpus_per_worker",

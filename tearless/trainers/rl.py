@@ -34,7 +34,8 @@ from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.data.prompts import check_vocabulary
-from tearless.models.loading import load_tokenizer
+from tearless.models.loading import check_model_dir, load_tokenizer
+from tearless.models.precision import compute_dtype
 from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction, rollout_rejection
 from tearless.rollout.sync_probe import METRIC as SYNC_PROBE_METRIC
@@ -49,7 +50,7 @@ from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
 from tearless.workers.actor import on_policy, reward_kl
-from tearless.workers.build import precision_mismatch, rollout_dtype
+from tearless.workers.build import hybrid_rollout_dtype, precision_mismatch, role_key, rollout_dtype
 from tearless.workers.critic import critic_value_stats, explained_variance
 from tearless.workers.group import Rollout, make_workers
 from tearless.workers.spec import RankSpec
@@ -152,6 +153,7 @@ class RLTrainer:
         self.batches_consumed = 0
         self.policy_version = 0  # actor updates so far (the version rollouts record, docs/async.md)
         self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
+        self.flat_steps, self.warned_no_signal = 0, False  # steps in a row with mostly flat groups
         self.skipped = {"actor": 0.0, "critic": 0.0}  # optimizer steps skipped so far, per role
         self.response_length = arr.rollout.response_length or data.max_response_length
         self.reward_errors = RewardErrors(cfg.reward_model.tolerate_failed_steps, self.log)
@@ -173,6 +175,7 @@ class RLTrainer:
         # The hybrid built-in engine sampling in another precision than the trainer's π_old forward
         # (rollout.dtype vs actor param_dtype): π_old is recomputed so rollout_corr/* shows the mismatch.
         self.precision_mismatch = precision_mismatch(cfg, self.workers.device)
+        self._announce_autocast(roles, self.workers.device)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
@@ -196,6 +199,9 @@ class RLTrainer:
             cfg.data.val_files,
         )
         tools = None
+        if model_path is not None:
+            # A Hub ID becomes its cached snapshot here, once, so every rank and engine reads one directory.
+            model_path = str(check_model_dir(model_path, "actor_rollout_ref.model.path"))
         if model_path is None or train_files is None:
             from tearless.tasks.bootstrap import TaskSpec, prepare_task
 
@@ -207,6 +213,33 @@ class RLTrainer:
             if train_files is None:
                 train_files, val_files = files.train_file, files.val_file
         return model_path, train_files, val_files, tools
+
+    def _announce_autocast(self, roles: Sequence[str], device: str) -> None:
+        """One line naming the roles that compute under bf16 autocast on CPU (it changes speed and
+        rounding; on a CPU whose bf16 is slower than float32 the user should know it is on)."""
+        if device != "cpu":
+            return
+        keys = [
+            role_key(r)
+            for r in roles
+            if compute_dtype(self._param_dtype(r), device, "", warn=False) != torch.float32
+        ]
+        if (
+            self.cfg.actor_rollout_ref.rollout.name == "hf"
+            and hybrid_rollout_dtype(self.cfg, device, warn=False) != torch.float32
+        ):
+            keys.append("actor_rollout_ref.rollout.dtype")
+        if keys:
+            self.log(
+                f"bf16 autocast is on ({', '.join(keys)}): matmuls in bfloat16, master weights, optimizer "
+                "state and losses in float32; set those keys to float32 to turn it off"
+            )
+
+    def _param_dtype(self, role: str) -> str | None:
+        cfg = self.cfg
+        return (
+            cfg.critic.model if role == "critic" else getattr(cfg.actor_rollout_ref, role)
+        ).fsdp_config.param_dtype
 
     def _find_resume(self) -> tuple[int, Path | None]:
         t = self.cfg.trainer
@@ -541,6 +574,27 @@ class RLTrainer:
                 "tokens and were cut before they ended; raise data.max_response_length"
             )
 
+    def _warn_no_signal(self, metrics: dict[str, float]) -> None:
+        """Warn once when most prompt groups of two steps in a row got equal rewards for every response
+        while the step's mean score sat in the lower half of its range (the flat groups are mostly
+        failures): group-relative advantages are then zero and those groups teach nothing. Groups flat
+        because every answer is right (a run that has learned its task) are no cause for a warning."""
+        ratio = metrics.get("train/zero_variance_group_ratio", 0.0)
+        low, high = metrics.get("critic/score/min", 0.0), metrics.get("critic/score/max", 0.0)
+        failing = metrics.get("critic/score/mean", 0.0) <= (low + high) / 2
+        flat = ratio > 0.5 and failing and self.cfg.actor_rollout_ref.rollout.n > 1
+        self.flat_steps = self.flat_steps + 1 if flat else 0
+        if self.flat_steps == 2 and not self.warned_no_signal:
+            self.warned_no_signal = True
+            rollout = self.cfg.actor_rollout_ref.rollout
+            self.log(
+                f"warning: {ratio:.0%} of this step's prompt groups (and most of the last step's) got the "
+                "same reward for every response, so they carry no learning signal "
+                "(train/zero_variance_group_ratio); raise actor_rollout_ref.rollout.temperature (now "
+                f"{rollout.temperature}) or actor_rollout_ref.rollout.n (now {rollout.n}), or use prompts "
+                "the model solves sometimes"
+            )
+
     def _count_bad_step(self, metrics: dict[str, float]) -> None:
         """Track optimizer steps skipped this step (from the roles' counters) and the run of bad steps."""
         before = sum(self.skipped.values())
@@ -627,13 +681,18 @@ class RLTrainer:
                     metrics.update(val)
                     metrics.update(timer.metrics())
                     summary["after"] = val
-                if stop or last or (t.save_freq > 0 and step % t.save_freq == 0):
+                if (
+                    stop
+                    or (last and t.save_final_checkpoint)
+                    or (t.save_freq > 0 and step % t.save_freq == 0)
+                ):
                     timer = Timer()
                     with timer("save_checkpoint"):
                         summary["checkpoint"] = str(self.save(step, metrics))
                     metrics.update(timer.metrics())
                 faults.point("metrics", step)
                 self._warn_truncation(metrics)
+                self._warn_no_signal(metrics)
                 tracker.log(metrics, step)
                 if stop:
                     raise TrainingStopped(self._bad_steps_message(step, summary["checkpoint"]))

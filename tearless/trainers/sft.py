@@ -155,12 +155,6 @@ class SFTTrainer:
         self.device = offline.setup_torch(t)
         self.run_dir = Path(t.default_local_dir)
         self.start_step, state, resume_dir = offline.find_resume(t, self.run_dir)
-        if cfg.model.path is None and cfg.model.tokenizer_path is None:
-            from tearless.tasks.tokenizer import build_char_tokenizer
-
-            tokenizer = build_char_tokenizer()
-        else:
-            tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.path")
         if data.train_files is None:
             train_records, val_records, self.prompt_rows = self._embedded()
         else:
@@ -170,6 +164,13 @@ class SFTTrainer:
         if data.val_max_samples > 0:
             val_records = val_records[: data.val_max_samples]
             self.prompt_rows = self.prompt_rows[: data.val_max_samples]
+        self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
+        if cfg.model.path is None and cfg.model.tokenizer_path is None:
+            from tearless.tasks.tokenizer import build_char_tokenizer
+
+            tokenizer = build_char_tokenizer()
+        else:
+            tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.path")
         self.tokenizer = tokenizer
         keys = dict(
             max_length=data.max_length,
@@ -265,6 +266,8 @@ class SFTTrainer:
                     self.tokenizer,
                     self.prompt_rows,
                     max_new_tokens=self.cfg.data.max_response_length,
+                    score_fn=self.score_fn,
+                    log=self.log,
                 )
             )
         return metrics

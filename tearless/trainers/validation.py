@@ -7,6 +7,7 @@ from typing import Any
 
 from tearless.rollout.seeds import prompt_keys
 from tearless.trainers.metrics import pass_at_k
+from tearless.trainers.progress import Progress
 
 
 def validate(trainer: Any) -> dict[str, float]:
@@ -47,6 +48,8 @@ def _val_pass(
     """Generate ``n`` responses per item; per data_source, (mean score, number correct) per prompt."""
     size = trainer.cfg.data.val_batch_size or len(items)
     per_source: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    kind = "greedy" if keys is None else f"sampled, n={n}"
+    progress = Progress(trainer.log, f"validation ({kind})", len(items), "prompts")
     for start in range(0, len(items), size):
         chunk = items[start : start + size]
         chunk_keys = None if keys is None else keys[start : start + size]
@@ -55,6 +58,7 @@ def _val_pass(
             rows = slice(j * n, (j + 1) * n)
             scores, correct = rollout.scores[rows], rollout.correct[rows]
             per_source[it["data_source"]].append((float(scores.mean()), int(correct.sum())))
+        progress.update(start + len(chunk))
     return per_source
 
 

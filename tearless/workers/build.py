@@ -11,6 +11,7 @@ manager and agent loop.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from tearless.config import Config
+from tearless.models.hub import local_model_path
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
@@ -125,11 +127,19 @@ class ModelBuilder:
                 return model
             from tearless.models.lora import add_lora, load_lora
 
-            if resume is not None and real:
-                return load_lora(model, resume, gradient_checkpointing=checkpointing)
+            adapter = resume or (
+                local_model_path(m.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path")
+                if m.lora_adapter_path
+                else None
+            )
+            if adapter is not None and real:
+                return load_lora(model, adapter, gradient_checkpointing=checkpointing)
             if not real:
                 torch.manual_seed(0)  # the skeleton's init is discarded; keep it cheap and fixed
             kw = dict(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules)
+            if adapter is not None:  # the skeleton of a saved adapter has that adapter's shape
+                saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
+                kw.update(alpha=saved["lora_alpha"], target_modules=saved["target_modules"])
             return add_lora(model, gradient_checkpointing=checkpointing, **kw)
 
         return self.shard(build, role)

@@ -12,7 +12,7 @@ from tearless.data.make import make_rows
 from tearless.rewards import compute_score
 
 
-@pytest.mark.parametrize("task", ["arithmetic", "countdown", "knights_knaves"])
+@pytest.mark.parametrize("task", ["arithmetic", "countdown", "knights_knaves", "word_problems"])
 def test_splits_are_seeded_sized_and_disjoint(task):
     splits = make_rows(task, num_train=60, num_test=20, seed=3)
     assert splits == make_rows(task, num_train=60, num_test=20, seed=3)
@@ -65,3 +65,42 @@ def test_the_printed_command_fits_the_data_it_wrote(task, tmp_path):
     # The defaults (64 tokens) do not hold them: that is why the preset exists.
     with pytest.raises(DataError, match="longer than"):
         PromptDataset(load_rows(paths["train"]), tokenizer, max_prompt_length=64)
+
+
+def test_word_problems_state_their_numbers_and_answer_the_operation():
+    """Each story names a and b in order; the ground truth is a + b or a − b (never negative), and the
+    scorer reads the last integer of a worded answer."""
+    import re
+
+    rows = make_rows("word_problems", num_train=200, num_test=50, seed=0)["train"]
+    ops = set()
+    for r in rows:
+        info, text = r["extra_info"], r["prompt"][0]["content"]
+        a, b, op = info["a"], info["b"], info["op"]
+        ops.add(op)
+        assert [int(x) for x in re.findall(r"\d+", text)] == [a, b]
+        truth = int(r["reward_model"]["ground_truth"])
+        assert truth == (a + b if op == "+" else a - b) and truth >= 0
+        assert text.endswith("Answer with a number.")
+    assert ops == {"+", "-"}
+    score = lambda response, truth: compute_score("word_problems", response, truth)  # noqa: E731
+    assert score("Mia has 23 + 15 = 38 pencils now. The answer is 38.", "38") == 1.0
+    assert score("38", "38") == 1.0 and score("1,038", "1038") == 1.0
+    assert score("She has 38 pencils, or maybe 39", "38") == 0.0
+    assert score("thirty-eight", "38") == 0.0
+
+
+def test_real_model_tasks_print_a_command_naming_the_hub_model(tmp_path, capsys):
+    assert main(["data", "make", "knights_knaves", "--output", str(tmp_path / "kk"), "--num-train", "4",
+                 "--num-test", "2"]) == 0  # fmt: skip
+    command = capsys.readouterr().out.splitlines()[-1].strip()
+    assert command == (
+        f"tearless train --preset knights_knaves data.train_files={tmp_path / 'kk' / 'train.parquet'} "
+        f"data.val_files={tmp_path / 'kk' / 'test.parquet'} "
+        "actor_rollout_ref.model.path=HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+    assert main(["data", "make", "word_problems", "--output", str(tmp_path / "wp")]) == 0
+    command = capsys.readouterr().out.splitlines()[-1].strip()
+    # The preset names the model itself.
+    assert command.startswith("tearless train --preset word_problems data.train_files=")
+    assert "model.path" not in command

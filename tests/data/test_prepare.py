@@ -117,3 +117,16 @@ def test_cli_prepare(tmp_path, capsys):
         main(["data", "prepare", "gsm8k", "--input", str(tmp_path / "none"), "--output", str(tmp_path)]) == 2
     )
     assert "data error: --input" in capsys.readouterr().err
+
+
+def test_hub_datasets_need_the_datasets_package_and_say_so_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if not installed
+    with pytest.raises(DataError, match=r"reading openai/gsm8k from the Hugging Face Hub needs the datasets"):
+        prepare("gsm8k", None, tmp_path / "out")
+    # A Hub ID given as --input (not a local path) takes the same road.
+    assert (
+        main(["data", "prepare", "math", "--input", "HuggingFaceH4/MATH-500", "--output", str(tmp_path)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HuggingFaceH4/MATH-500 from the Hugging Face Hub" in err
+    assert not (tmp_path / "out").exists()

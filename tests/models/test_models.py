@@ -18,7 +18,7 @@ def model(task):
 
 
 def test_missing_directories_name_the_config_key(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.path=.*never downloads"):
+    with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.path=.*or at a Hub model ID"):
         load_causal_lm(tmp_path / "nope")
     with pytest.raises(FileNotFoundError, match=r"actor_rollout_ref\.model\.tokenizer_path="):
         load_tokenizer(tmp_path, key="actor_rollout_ref.model.tokenizer_path")  # exists, but empty

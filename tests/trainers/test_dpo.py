@@ -177,13 +177,16 @@ def test_a_short_run_learns_keeps_its_reference_and_resumes(dirs, tmp_path):
     # The trainer's micro-batches of the reference forward against one plain forward per sequence,
     # and against one batch of all pairs (the default micro-batch size): equal to rounding.
     delta = sequence_logp_tol(ref_model, [trainer.val_set[i] for i in range(len(trainer.val_set))])
+    # Nothing is computed before it is needed: the first validation fills the held-out items, each
+    # training step its own batch.
+    assert trainer.ref == {"train": {}, "val": {}}
+    summary = trainer.fit()
     assert trainer.ref["val"][first["index"]] == pytest.approx(by_hand, abs=delta)
     assert trainer.ref["val"].keys() == live.keys()
     for index, logps in live.items():  # pytest >= 9.2 refuses approx over a dict of tuples
         assert trainer.ref["val"][index] == pytest.approx(logps, abs=delta)
+    assert len(trainer.ref["train"]) == len(trainer.train_set)
     stored = {k: dict(v) for k, v in trainer.ref.items()}
-    summary = trainer.fit()
-    assert trainer.ref == stored  # computed once, never refreshed
 
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     steps = [r for r in records if "train/loss" in r]
@@ -215,8 +218,8 @@ def test_a_short_run_learns_keeps_its_reference_and_resumes(dirs, tmp_path):
 def test_reference_free_rewards_are_beta_times_the_policy_logprobs(dirs, tmp_path):
     args = overrides(dirs, tmp_path / "run", "algorithm.reference_free=true", "model.ref_path=null")
     trainer = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
-    assert set(trainer.ref["train"].values()) == {(0.0, 0.0)}
     val = trainer.validate()
+    assert trainer.ref_model is None and set(trainer.ref["val"].values()) == {(0.0, 0.0)}
     beta = trainer.cfg.algorithm.beta
     assert val["val/rewards/chosen"] == pytest.approx(beta * val["val/logps/chosen"], rel=1e-5)
 
@@ -258,8 +261,9 @@ def test_a_kto_run_learns_and_resumes_and_orpo_uses_no_reference(dirs, tmp_path)
     args = overrides(dirs, tmp_path / "kto", "algorithm.loss_type=kto", "algorithm.beta=0.5")
     trainer = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
     assert len(trainer.train_set) == 48  # 24 pairs, two examples each
-    stored = {k: dict(v) for k, v in trainer.ref.items()}
     summary = trainer.fit()
+    stored = {k: dict(v) for k, v in trainer.ref.items()}
+    assert len(stored["train"]) == 48 and len(stored["val"]) == len(trainer.val_set)
     before, after = summary["before"], summary["after"]
     assert after["val/rewards/margins"] > before["val/rewards/margins"] + 0.5
     assert after["val/loss"] < before["val/loss"]
@@ -274,8 +278,8 @@ def test_a_kto_run_learns_and_resumes_and_orpo_uses_no_reference(dirs, tmp_path)
 
     args = overrides(dirs, tmp_path / "orpo", "algorithm.loss_type=orpo", "model.ref_path=null")
     orpo = DPOTrainer(load_config(None, args, schema=DPOConfig), log=lambda _: None)
-    assert set(orpo.ref["train"].values()) == {(0.0, 0.0)}
     summary = orpo.fit()
+    assert orpo.ref_model is None and set(orpo.ref["train"].values()) == {(0.0, 0.0)}
     assert summary["after"]["val/rewards/accuracies"] > summary["before"]["val/rewards/accuracies"]
     assert summary["after"]["val/logps/chosen"] > summary["before"]["val/logps/chosen"]  # its NLL term
 

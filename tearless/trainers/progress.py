@@ -1,0 +1,29 @@
+"""Progress lines for long phases (validation, the DPO reference pass): silent while a phase is quick.
+
+A phase reports ``done/total`` at most every ``every_s`` seconds, so the embedded task's one-second
+validation prints nothing while a real model's minutes of generation say how far they are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class Progress:
+    """``Progress(log, "validation, greedy", total, "prompts")``; call :meth:`update` after each batch."""
+
+    def __init__(
+        self, log: Callable[[str], None], what: str, total: int, unit: str, *, every_s: float = 10.0
+    ) -> None:
+        self.log, self.what, self.total, self.unit, self.every_s = log, what, total, unit, every_s
+        self.start = self.last = time.perf_counter()
+        self.spoke = False
+
+    def update(self, done: int) -> None:
+        """Say ``done/total`` if ``every_s`` passed since the start or the last line (and at the end, once
+        something was said)."""
+        now = time.perf_counter()
+        if now - self.last >= self.every_s or (self.spoke and done >= self.total):
+            self.spoke, self.last = True, now
+            self.log(f"{self.what}: {done}/{self.total} {self.unit} ({now - self.start:.0f} s)")
