@@ -158,20 +158,35 @@ class HFRollout:
             device = compute_device(self.model)
             with torch.inference_mode(), autocast(device, self.compute_dtype):
                 static = device.type == "cuda" if self.static_loop is None else self.static_loop
-                decode = self._decode_static if static and between_tokens is None else self._decode
-                tokens, logps, ents, mask, finished, versions = decode(
-                    prompts,
-                    n,
-                    max_new_tokens,
-                    temperature,
-                    top_p,
-                    top_k,
-                    do_sample,
-                    keys,
-                    stop_sequences,
-                    version,
-                    between_tokens,
-                )
+                if static and between_tokens is None:  # the GPU loop: no host read per token
+                    draws = uniforms(sample_keys(keys, n), max_new_tokens) if do_sample else None
+                    tokens, logps, ents, mask, finished, versions = decode_static(
+                        self.model,
+                        prompt_ids,
+                        prompt_mask,
+                        draws,
+                        max_new_tokens,
+                        pad_token_id=self.pad_token_id,
+                        eos=self.eos,
+                        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p),
+                        stop_sequences=stop_sequences,
+                        version=version,
+                        graphs=self.cuda_graphs,
+                    )
+                else:
+                    tokens, logps, ents, mask, finished, versions = self._decode(
+                        prompts,
+                        n,
+                        max_new_tokens,
+                        temperature,
+                        top_p,
+                        top_k,
+                        do_sample,
+                        keys,
+                        stop_sequences,
+                        version,
+                        between_tokens,
+                    )
         finally:
             self.model.train(was_training)
         # Outside inference mode, so the tensors can take part in autograd later (as constants).
@@ -184,40 +199,6 @@ class HFRollout:
             truncated=~finished.cpu().clone(),
             entropy=ents.cpu().clone(),
             token_versions=versions.cpu().clone(),
-        )
-
-    def _decode_static(
-        self,
-        prompts,
-        n,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        do_sample,
-        keys,
-        stop_sequences,
-        version,
-        between_tokens=None,
-    ):
-        """The GPU loop (:func:`tearless.rollout.static_decode.decode_static`): one row per sample, no
-        host synchronisation per token, the decode step a CUDA graph."""
-        return decode_static(
-            self.model,
-            left_pad,
-            prompts,
-            n,
-            max_new_tokens,
-            pad_token_id=self.pad_token_id,
-            eos=self.eos,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            do_sample=do_sample,
-            keys=keys,
-            stop_sequences=stop_sequences,
-            version=version,
-            graphs=self.cuda_graphs,
         )
 
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int):

@@ -29,7 +29,6 @@ batch composition and cache layout the same responses (tests compare the two on 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -37,40 +36,37 @@ from torch.distributed.fsdp import FSDPModule
 from tearless.models.compat import cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.rollout.decode_step import sample_step
-from tearless.rollout.seeds import sample_keys, uniforms
 
 CHECK_EVERY = 16  # tokens between two host reads of "has every row finished?"
 
 
 def decode_static(
     model: torch.nn.Module,
-    left_pad: Callable[[list[list[int]], int], tuple[torch.Tensor, torch.Tensor]],
-    prompts: list[list[int]],
-    n: int,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    draws: torch.Tensor | None,
     max_new_tokens: int,
     *,
     pad_token_id: int,
     eos: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    do_sample: bool,
-    keys: Sequence[int] | None,
+    sampling: dict,
     stop_sequences: list[list[int]] | None,
     version: int,
     graphs: bool,
 ) -> tuple[torch.Tensor, ...]:
     """(B, T) tokens, log-probs, entropies, mask and token versions and the (B,) EOS flags, as
-    :meth:`~tearless.rollout.hf.HFRollout._decode` returns them, B = len(prompts) × n, T ≤
-    ``max_new_tokens``; ``graphs`` replays the decode step's forward as a CUDA graph (GPU only)."""
+    :meth:`~tearless.rollout.hf.HFRollout._decode` returns them, T ≤ ``max_new_tokens``, for the B
+    left-padded sample rows ``ids``/``attn`` (B, P) (a prompt's n samples adjacent). ``draws`` (B,
+    max_new_tokens) are the samples' uniforms (:mod:`tearless.rollout.seeds`), None for greedy;
+    ``sampling`` holds ``temperature``, ``top_k`` and ``top_p``; ``graphs`` replays the decode step's
+    forward as a CUDA graph (GPU only)."""
     from transformers import StaticCache
 
     device = compute_device(model)
-    expanded = [p for p in prompts for _ in range(n)]
-    ids, attn = (t.to(device) for t in left_pad(expanded, pad_token_id))
+    ids, attn = ids.to(device), attn.to(device)
     batch, width = ids.shape
     capacity = width + max_new_tokens
-    draws = uniforms(sample_keys(keys, n), max_new_tokens).to(device) if do_sample else None
+    draws = None if draws is None else draws.to(device)
     eos = eos.to(device)
     stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
     cache = StaticCache(config=model.config, max_cache_len=capacity)
@@ -99,10 +95,8 @@ def decode_static(
     rows = torch.arange(batch, device=device)
     pad = torch.tensor(pad_token_id, device=device)
     for t in range(max_new_tokens):
-        u = draws[:, t] if do_sample else None
-        tok, lp, ent = sample_step(
-            logits, rows, u, temperature=temperature, top_k=top_k, top_p=top_p, in_order=True
-        )
+        u = draws[:, t] if draws is not None else None
+        tok, lp, ent = sample_step(logits, rows, u, **sampling, in_order=True)
         live = ~finished
         tok = torch.where(live, tok, pad)
         tokens[:, t] = tok
