@@ -83,6 +83,7 @@ def common(overrides, run_dir, *extra):
         "data.val_max_samples=8",
         "trainer.val_before_train=false",
         "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=null",  # the chains compare every step's checkpoint
         "trainer.num_threads=1",
         "trainer.num_rollout_samples=64",
         "actor_rollout_ref.model.share_prompt_forward=false",
