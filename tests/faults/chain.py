@@ -57,6 +57,7 @@ def run_args(task, run_dir: Path, *, steps: int = STEPS) -> list[str]:
         "trainer.logger=[jsonl]",
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=1",
+        "trainer.max_actor_ckpt_to_keep=null",  # every step's checkpoint is compared
         "trainer.num_rollout_samples=3",
         "trainer.num_threads=1",
         "reward_model.num_workers=2",

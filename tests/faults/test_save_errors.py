@@ -91,7 +91,7 @@ def test_a_failed_save_is_clear_and_leaves_the_previous_checkpoint_alone(
     monkeypatch.undo()
     # Once the disk has room again, the next save works and loads.
     second = _save(tmp_path, 2, parts)
-    assert ckpt.load_state(second) == {"global_step": 2} and load_file(second / "actor" / "model.safetensors")
+    assert ckpt.load_state(second)["global_step"] == 2 and load_file(second / "actor" / "model.safetensors")
 
 
 def test_a_failed_pointer_update_keeps_the_new_checkpoint_and_says_so(parts, tmp_path, monkeypatch):
