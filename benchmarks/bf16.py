@@ -132,7 +132,8 @@ def mismatch(task_dir: str | None) -> None:
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.correction import rollout_correction
     from tearless.rollout.hf import HFRollout
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     torch.set_num_threads(1)
     print("native bf16:", cpu_has_native_bf16())

@@ -56,7 +56,8 @@ class Case:
 
 
 def small_case(cache: Path | None = None) -> Case:
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     files = prepare_task(TaskSpec(hidden_size=256, num_layers=4), cache)
     return Case("small", files.model_dir, files.train_file, files.val_file, "arithmetic", 8, 8, 16, 1e-4, 0.0)

@@ -49,8 +49,9 @@ def warmup_accuracy(cache: str) -> float:
     """Greedy held-out accuracy of the cached warm-up model of the default task."""
     from tearless.data import load_rows
     from tearless.models.loading import load_causal_lm, load_tokenizer
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
     from tearless.trainers.offline import greedy_accuracy
+    from tearless.trainers.warmup import prepare_task
 
     files = prepare_task(TaskSpec(), cache, log=lambda _: None)
     model, tok = load_causal_lm(files.model_dir), load_tokenizer(files.model_dir)

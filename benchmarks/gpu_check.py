@@ -410,7 +410,8 @@ def update_precision(device: str, dry: bool) -> dict:
 def grpo_default_bf16(task, work: Path, device: str, steps: int) -> dict:
     """The default run (the default task, 125 steps of 16 prompts × 8 responses) in the GPU default
     precision; a dry run keeps the small task."""
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     if device == "cuda":
         cache = os.environ.get("TEARLESS_CACHE", str(work / "cache"))
@@ -438,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (2 if dry else 20)
     import transformers
 
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     print(f"gpu_check: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"device {torch.cuda.get_device_name(0) if not dry else 'cpu (dry run)'}", flush=True)  # fmt: skip

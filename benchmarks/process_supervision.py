@@ -68,7 +68,8 @@ def evaluate(model_dir: str, rows: list[dict]) -> dict[str, float]:
 
 def main() -> None:
     from tearless.data import load_rows
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
@@ -92,7 +93,7 @@ def main() -> None:
         "runs": {},
     }
     if args.prm:
-        from tearless.tasks.step_prm import prepare_prm
+        from tearless.trainers.step_prm import prepare_prm
 
         prm = prepare_prm(spec, files, args.cache)
         report["prm"] = prm.info
@@ -103,7 +104,7 @@ def main() -> None:
         ]
         modes["process-prm+outcome"] = [*modes["process-prm"], "reward_model.step_reward.outcome_weight=1"]
     if args.implicit:
-        from tearless.tasks.step_prm import prepare_implicit_prm
+        from tearless.trainers.step_prm import prepare_implicit_prm
 
         implicit = prepare_implicit_prm(spec, files, args.cache)
         report["implicit_prm"] = implicit.info

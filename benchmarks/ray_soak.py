@@ -28,8 +28,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tearless.config import load_config
-from tearless.tasks.bootstrap import TaskSpec, prepare_task
+from tearless.tasks.bootstrap import TaskSpec
 from tearless.trainers.rl import RLTrainer
+from tearless.trainers.warmup import prepare_task
 from tests.conftest import TASK_SPEC
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

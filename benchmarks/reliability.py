@@ -33,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tearless import faults, train
-from tearless.tasks.bootstrap import TaskSpec, prepare_task
+from tearless.tasks.bootstrap import TaskSpec
+from tearless.trainers.warmup import prepare_task
 from tests.conftest import TASK_SPEC
 from tests.faults import chain
 from tests.faults.bad_inputs import make_cases, run_case

@@ -73,7 +73,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1, help="trainer.seed (the task and warm-up stay the same)")
     args = ap.parse_args()
     from tearless.config import load_config
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     cfg = load_config(None, preset="search_r1")
     started = time.perf_counter()

@@ -58,7 +58,8 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = args.model
     if model_dir is None:
-        from tearless.tasks.bootstrap import TaskSpec, prepare_task
+        from tearless.tasks.bootstrap import TaskSpec
+        from tearless.trainers.warmup import prepare_task
 
         model_dir = str(prepare_task(TaskSpec(), args.task_cache, log=print).model_dir)
     tok = load_tokenizer(model_dir)

@@ -23,7 +23,8 @@ import tearless
 # TEARLESS_EXAMPLE_MODEL points at an existing one instead (the test suite passes its own).
 model_dir = os.environ.get("TEARLESS_EXAMPLE_MODEL")
 if model_dir is None:
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     model_dir = prepare_task(TaskSpec()).model_dir
 model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -27,6 +27,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from tearless.flow.cli import HELPS as FLOW_HELPS
+
 DEBUG_ENV = "TEARLESS_DEBUG"
 
 
@@ -110,9 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_report_parsers(sub)
     _add_samples_parser(sub)
     _add_model_parser(sub)
-    from tearless.flow.cli import add_flow_parsers
-
-    add_flow_parsers(sub)
+    for name, text in FLOW_HELPS.items():
+        cmd = add_config_command(sub, name, text)
+        cmd.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. task.name=shapes")
     return p
 
 
@@ -203,9 +205,9 @@ def _main(argv: list[str]) -> int:
         return 0
     from tearless.data.rows import DataError
     from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
-    from tearless.trainers.checkpoint import CheckpointError
-    from tearless.trainers.guards import WeightsNotFinite
-    from tearless.trainers.resume_compat import ResumeMismatch
+    from tearless.run.checkpoint import CheckpointError
+    from tearless.run.guards import WeightsNotFinite
+    from tearless.run.resume_compat import ResumeMismatch
     from tearless.trainers.rl import TrainingStopped
     from tearless.trainers.runlock import RunLocked
 
@@ -300,7 +302,7 @@ def _data(args: argparse.Namespace) -> int:
                 print(f"{path}: {summary['rows'][split]} rows{note}")
             return 0
         if args.data_command == "make":
-            from tearless.data.make import make_task, train_command
+            from tearless.tasks.make import make_task, train_command
 
             paths = make_task(
                 args.task,
@@ -444,7 +446,7 @@ def _offline(args: argparse.Namespace) -> int:
         print(_options_help(_parser(), args.command) + describe(cfg))
         return 0
     from tearless.data.rows import DataError
-    from tearless.trainers.checkpoint import CheckpointError
+    from tearless.run.checkpoint import CheckpointError
 
     if args.command == "sft":
         from tearless.trainers.sft import SFTTrainer as trainer

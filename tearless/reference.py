@@ -42,10 +42,10 @@ def schemas() -> list[tuple[str, str, type]]:
 
 def schema_keys(schema: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
     """Every leaf key of ``schema`` as (dotted key, field, default value), in declaration order."""
-    from tearless.config.load import _all_keys
+    from tearless.config.schema import all_keys
 
     defaults = schema()
-    for key, f in _all_keys(schema):
+    for key, f in all_keys(schema):
         value: Any = defaults
         for part in key.split("."):
             value = getattr(value, part)

@@ -29,7 +29,7 @@ def task_spec():
 @pytest.fixture(scope="session")
 def task(task_spec, tmp_path_factory):
     """The embedded task's files (``model_dir``, ``train_file``, ``val_file``, ``info``)."""
-    from tearless.tasks.bootstrap import prepare_task
+    from tearless.trainers.warmup import prepare_task
 
     cache = os.environ.get("TEARLESS_TEST_TASK_CACHE") or tmp_path_factory.mktemp("task-cache")
     return prepare_task(task_spec, cache, log=lambda _: None)

@@ -117,7 +117,9 @@ def _edges(mods: dict[str, Path]) -> list[Edge]:
                     for stmt in child.orelse:
                         visit(ast.Module(body=[stmt], type_ignores=[]), local, type_only)
                 else:
-                    inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda))
+                    inner = isinstance(
+                        child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+                    )
                     visit(child, local or inner, type_only)
 
         visit(tree, False, False)
@@ -198,7 +200,7 @@ def test_no_import_cycle() -> None:
 
 def test_no_upward_import() -> None:
     upward = [
-        f"{e.source} (floor {_floor_of(e.source)}, line {e.line}) imports {e.target} (floor {_floor_of(e.target)})"
+        f"{e.source}:{e.line} (floor {_floor_of(e.source)}) imports {e.target} (floor {_floor_of(e.target)})"
         for e in EDGES
         if (_floor_of(e.source) or 0) < (_floor_of(e.target) or 0)
     ]
@@ -211,7 +213,11 @@ def _has_reason(lines: list[str], line: int) -> bool:
     if _REASON.search(lines[line - 1]):
         return True
     i = line - 2
-    while i >= 0 and re.match(r"\s*(from \S+ import |import |\)|[\w, ]+,?\s*$)", lines[i]) and "#" not in lines[i]:
+    while (
+        i >= 0
+        and re.match(r"\s*(from \S+ import |import |\)|[\w, ]+,?\s*$)", lines[i])
+        and "#" not in lines[i]
+    ):
         i -= 1
     return i >= 0 and lines[i].lstrip().startswith("#")
 
@@ -235,11 +241,14 @@ def test_the_checks_catch_what_they_guard() -> None:
     the cycle finder finds a three-module ring (the contract would otherwise pass by seeing nothing)."""
     assert any(e.local for e in EDGES) and any(not e.local for e in EDGES)
     mods = {"tearless.a": PACKAGE, "tearless.b": PACKAGE, "tearless.c": PACKAGE, "tearless.d": PACKAGE}
-    ring = [Edge("tearless.a", "tearless.b", 1, False, False), Edge("tearless.b", "tearless.c", 1, True, False)]
-    assert _cycles(ring + [Edge("tearless.c", "tearless.a", 1, True, False)], mods) == [
+    ring = [
+        Edge("tearless.a", "tearless.b", 1, False, False),
+        Edge("tearless.b", "tearless.c", 1, True, False),
+    ]
+    assert _cycles([*ring, Edge("tearless.c", "tearless.a", 1, True, False)], mods) == [
         ["tearless.a", "tearless.b", "tearless.c"]
     ]
-    assert _cycles(ring + [Edge("tearless.c", "tearless.a", 1, True, True)], mods) == []
+    assert _cycles([*ring, Edge("tearless.c", "tearless.a", 1, True, True)], mods) == []
     assert _floor_of("tearless.algos.losses") == 0 and _floor_of("tearless") == len(FLOORS) - 1
     assert _floor_of("tearless.not_a_package_yet") is None
     assert _has_reason(["    # vllm is optional", "    from tearless.rollout import vllm"], 2)

@@ -32,3 +32,33 @@ def policy_loss_knobs(actor: ActorConfig) -> dict[str, float | None]:
         "tau_pos": actor.tau_pos,
         "tau_neg": actor.tau_neg,
     }
+
+
+def world_size(cfg: Config) -> int:
+    """Ranks per pool: ``trainer.nnodes × trainer.n_gpus_per_node`` (CPU worker processes on CPU)."""
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
+def uses_ray(cfg: Config) -> bool:
+    """``trainer.placement`` is ray, or auto with more than one worker."""
+    placement = cfg.trainer.placement
+    return placement == "ray" or (placement == "auto" and world_size(cfg) > 1)
+
+
+def critic_enabled(cfg: Config) -> bool:
+    """A critic is trained when ``critic.enable`` says so, or (null) when the estimator is GAE."""
+    enable = cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
+
+
+def roles(cfg: Config) -> tuple[str, ...]:
+    """The roles the training ranks hold: the actor, the reference when a KL term needs it
+    (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``), the critic when it is enabled."""
+    arr = cfg.actor_rollout_ref
+    ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    return ("actor",) + (("ref",) if ref else ()) + (("critic",) if critic_enabled(cfg) else ())
+
+
+def on_policy(cfg: ActorConfig, num_prompts: int) -> bool:
+    """One epoch over one mini-batch: the update's ratio is exactly 1, old log-probs are not needed."""
+    return cfg.ppo_epochs == 1 and num_prompts == cfg.ppo_mini_batch_size

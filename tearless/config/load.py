@@ -10,32 +10,16 @@ import dataclasses
 import difflib
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tearless.config.schema import Config
+from tearless.config.errors import ConfigError
+from tearless.config.schema import Config, all_keys
 from tearless.config.user_model import MODEL_KEY, describe_applied, explicit_keys, user_model_defaults
-
-
-class ConfigError(ValueError):
-    """A configuration problem, with the key and the fix in the message."""
-
-
-def _all_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
-    for f in dataclasses.fields(cls):
-        key = f"{prefix}{f.name}"
-        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
-        # A section is a field whose factory makes a dataclass (a class, or a lambda with other defaults).
-        sub = factory if isinstance(factory, type) else type(factory()) if factory else None
-        if sub is not None and dataclasses.is_dataclass(sub):
-            yield from _all_keys(sub, key + ".")
-        else:
-            yield key, f
-
 
 # Keys veRL's docs write where its code does not read them: the error names the key that works.
 MISPLACED_KEYS = {
@@ -54,7 +38,7 @@ def _explain(err: OmegaConfBaseException, source: str, schema: type = Config) ->
         right, why = MISPLACED_KEYS[key]
         return ConfigError(f"unknown config key {key!r} (from {source}). Did you mean {right}? ({why})")
     if "not in" in msg or ("Key '" in msg and "not" in msg):
-        known = [k for k, _ in _all_keys(schema)]
+        known = [k for k, _ in all_keys(schema)]
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
         section = key.rsplit(".", 1)[0] if "." in key else ""
@@ -101,7 +85,7 @@ def _container_clash(base: Any, layer: Any, source: str) -> ConfigError | None:
 
 def _keys_of(schema: type) -> tuple[frozenset[str], frozenset[str]]:
     """The schema's keys and its sections (every proper prefix of a key)."""
-    keys = frozenset(k for k, _ in _all_keys(schema))
+    keys = frozenset(k for k, _ in all_keys(schema))
     sections = frozenset(k.rsplit(".", i)[0] for k in keys for i in range(1, k.count(".") + 1))
     return keys, sections
 
@@ -267,7 +251,7 @@ def describe(cfg: Any = None) -> str:
     """Every key with its current value and its documentation line, one per line."""
     cfg = cfg if cfg is not None else Config()
     lines = []
-    for key, f in _all_keys(type(cfg)):
+    for key, f in all_keys(type(cfg)):
         value: Any = cfg
         for part in key.split("."):
             value = getattr(value, part)

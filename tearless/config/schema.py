@@ -7,6 +7,8 @@ here, exactly as in veRL, so a veRL GRPO example's overrides run unchanged where
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -677,3 +679,16 @@ class Config:
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     ray_init: RayInitConfig = field(default_factory=RayInitConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every leaf key of the schema ``cls`` (dotted, under ``prefix``) with its dataclass field."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        factory = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        # A section is a field whose factory makes a dataclass (a class, or a lambda with other defaults).
+        sub = factory if isinstance(factory, type) else type(factory()) if factory else None
+        if sub is not None and dataclasses.is_dataclass(sub):
+            yield from all_keys(sub, key + ".")
+        else:
+            yield key, f

@@ -15,24 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tearless.config.errors import fail, one_of
 from tearless.config.schema import KEEP_FREED_MEMORY_DOC, CustomRewardConfig, doc
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 SCHEDULERS = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")
-
-
-def fail(key: str, problem: str, fix: str) -> None:
-    """Raise :class:`~tearless.config.ConfigError` naming ``key``, the problem and the fix."""
-    from tearless.config.load import ConfigError
-
-    raise ConfigError(f"{key}: {problem}. {fix}")
-
-
-def one_of(key: str, value: object, valid: tuple) -> None:
-    if value not in valid:
-        fail(key, f"{value!r} is not one of {', '.join(map(str, valid))}", "Pick one of those.")
 
 
 def positive(key: str, value: Any, *, allow_zero: bool = False) -> None:

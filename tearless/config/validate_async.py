@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tearless.config.errors import fail, one_of
 from tearless.config.schema import Config
-from tearless.config.validate import _fail, _one_of
 
 RC = "algorithm.rollout_correction"
 
@@ -12,13 +12,13 @@ def _validate_correction(cfg: Config) -> None:
     rc = cfg.algorithm.rollout_correction
     if rc.rollout_is_threshold_lower is not None:
         if rc.rollout_is is None:
-            _fail(
+            fail(
                 f"{RC}.rollout_is_threshold_lower",
                 "is a bound of the TIS weight, and rollout_is is null (no weight)",
                 f"Set {RC}.rollout_is=token or sequence, or remove the lower bound.",
             )
         if not 0 < rc.rollout_is_threshold_lower <= 1:
-            _fail(
+            fail(
                 f"{RC}.rollout_is_threshold_lower",
                 f"must be in (0, 1], got {rc.rollout_is_threshold_lower}",
                 "A floor above 1 would raise the weight of samples the policies agree on.",
@@ -26,29 +26,29 @@ def _validate_correction(cfg: Config) -> None:
     if rc.rollout_rs is None:
         for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
             if getattr(rc, key) is not None:
-                _fail(
+                fail(
                     f"{RC}.{key}",
                     "is a bound of masked IS, and rollout_rs is null (no rejection)",
                     f"Set {RC}.rollout_rs=token, sequence or geometric, or remove {key}.",
                 )
     else:
-        _one_of(f"{RC}.rollout_rs", rc.rollout_rs, ("token", "sequence", "geometric"))
+        one_of(f"{RC}.rollout_rs", rc.rollout_rs, ("token", "sequence", "geometric"))
         upper, lower = rc.rollout_rs_threshold, rc.rollout_rs_threshold_lower
         if upper is None or upper <= 1:
-            _fail(
+            fail(
                 f"{RC}.rollout_rs_threshold",
                 f"must be set and > 1 with rollout_rs={rc.rollout_rs}, got {upper}",
                 "Ratios above it are rejected; 2.0 for token or sequence, about 1.001 for geometric.",
             )
         if lower is not None and not 0 <= lower < 1:
-            _fail(
+            fail(
                 f"{RC}.rollout_rs_threshold_lower",
                 f"must be in [0, 1), got {lower}",
                 "Ratios below it are rejected; null = 1/rollout_rs_threshold, 0 = no lower bound.",
             )
     veto = rc.rollout_token_veto_threshold
     if veto is not None and not 0 < veto < 1:
-        _fail(
+        fail(
             f"{RC}.rollout_token_veto_threshold",
             f"must be in (0, 1), got {veto}",
             "A response is rejected when a token's ratio falls below it; veRL suggests 1e-4.",
@@ -57,7 +57,7 @@ def _validate_correction(cfg: Config) -> None:
         keys = ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
         on = [k for k in keys if getattr(rc, k) is not None]
         if on:
-            _fail(
+            fail(
                 f"{RC}.bypass_mode",
                 f"takes π_old from the rollout, so π_old/π_rollout = 1 and {', '.join(on)} could never act",
                 f"Set {RC}.bypass_mode=false (π_old recomputed by the trainer) or remove {', '.join(on)}.",
@@ -68,19 +68,19 @@ def _validate_async(cfg: Config) -> None:
     at = cfg.async_training
     key = "async_training"
     if not isinstance(at.max_staleness, int) or isinstance(at.max_staleness, bool) or at.max_staleness < 0:
-        _fail(
+        fail(
             f"{key}.max_staleness",
             f"must be an integer >= 0, got {at.max_staleness!r}",
             "0 = synchronous, 1 = one-step-off.",
         )
     if not at.enable:
         if at.partial_rollout:
-            _fail(f"{key}.partial_rollout", "needs async_training.enable=true", "Enable it, or remove it.")
+            fail(f"{key}.partial_rollout", "needs async_training.enable=true", "Enable it, or remove it.")
         return
     if at.partial_rollout:
         rollout = cfg.actor_rollout_ref.rollout
         if rollout.multi_turn.enable:
-            _fail(
+            fail(
                 f"{key}.partial_rollout",
                 "is not supported with multi-turn tool use (the agent loop's turns are separate engine "
                 "calls, which would each need the interruption)",
@@ -88,14 +88,14 @@ def _validate_async(cfg: Config) -> None:
                 "actor_rollout_ref.rollout.multi_turn.enable=false.",
             )
     if cfg.algorithm.filter_groups.enable:
-        _fail(
+        fail(
             "algorithm.filter_groups.enable",
             "DAPO's dynamic sampling draws a variable number of generation rounds per step, which the "
             "asynchronous pipeline (one generation batch per step, submitted ahead) does not schedule yet",
             "Set async_training.enable=false, or algorithm.filter_groups.enable=false.",
         )
     if cfg.algorithm.adv_estimator == "remax":
-        _fail(
+        fail(
             "algorithm.adv_estimator",
             "remax's greedy baseline is generated during the step with the rollout workers' weights, "
             "which in the asynchronous loop are busy with (and hold the weights of) later batches",

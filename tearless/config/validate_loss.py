@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from tearless.config.errors import fail, one_of, positive
 from tearless.config.schema import Config
-from tearless.config.validate import _fail, _one_of, _positive
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -15,12 +15,12 @@ def validate_loss(cfg: Config) -> None:
 
     actor = cfg.actor_rollout_ref.actor
     pl, mode = actor.policy_loss, actor.policy_loss.loss_mode
-    _one_of(f"{ACTOR}.policy_loss.loss_mode", mode, sorted(POLICY_LOSSES))
+    one_of(f"{ACTOR}.policy_loss.loss_mode", mode, sorted(POLICY_LOSSES))
     if actor.loss_agg_mode is not None:
-        _one_of(f"{ACTOR}.loss_agg_mode", actor.loss_agg_mode, list(AGG_MODES))
+        one_of(f"{ACTOR}.loss_agg_mode", actor.loss_agg_mode, list(AGG_MODES))
     own = FIXED_AGG_MODES.get(mode)
     if own is not None and actor.loss_agg_mode not in (None, own):
-        _fail(
+        fail(
             f"{ACTOR}.loss_agg_mode",
             f"policy_loss.loss_mode={mode} aggregates its loss with {own} by definition (veRL pins it "
             f"too), so loss_agg_mode={actor.loss_agg_mode} could not apply to it",
@@ -31,22 +31,22 @@ def validate_loss(cfg: Config) -> None:
         (f"{ACTOR}.policy_loss.clip_cov_ratio", pl.clip_cov_ratio),
         (f"{ACTOR}.policy_loss.kl_cov_ratio", pl.kl_cov_ratio),
     ]:
-        _positive(key, value)
+        positive(key, value)
         if value > 1:
-            _fail(key, f"is a fraction of the tokens, got {value}", "Use a value in (0, 1]; veRL's is 2e-4.")
+            fail(key, f"is a fraction of the tokens, got {value}", "Use a value in (0, 1]; veRL's is 2e-4.")
     if pl.clip_cov_lb >= pl.clip_cov_ub:
-        _fail(
+        fail(
             f"{ACTOR}.policy_loss.clip_cov_ub",
             f"must be above clip_cov_lb, got lb={pl.clip_cov_lb}, ub={pl.clip_cov_ub}",
             "The droppable covariance range is (lb, ub); veRL's is (1, 5).",
         )
-    _positive(f"{ACTOR}.policy_loss.ppo_kl_coef", pl.ppo_kl_coef, allow_zero=True)
-    _positive(f"{ACTOR}.tau_pos", actor.tau_pos)
-    _positive(f"{ACTOR}.tau_neg", actor.tau_neg)
+    positive(f"{ACTOR}.policy_loss.ppo_kl_coef", pl.ppo_kl_coef, allow_zero=True)
+    positive(f"{ACTOR}.tau_pos", actor.tau_pos)
+    positive(f"{ACTOR}.tau_neg", actor.tau_neg)
     if pl.dro_beta is not None:
-        _positive(f"{ACTOR}.policy_loss.dro_beta", pl.dro_beta)
+        positive(f"{ACTOR}.policy_loss.dro_beta", pl.dro_beta)
     elif mode == "dro":
-        _fail(
+        fail(
             f"{ACTOR}.policy_loss.dro_beta",
             "policy_loss.loss_mode=dro needs the coefficient β of its ½β(log π − log π_old)² penalty",
             "Set actor_rollout_ref.actor.policy_loss.dro_beta to a positive value (e.g. 0.1).",
@@ -56,4 +56,4 @@ def validate_loss(cfg: Config) -> None:
         ("critic.loss_scale_factor", cfg.critic.loss_scale_factor),
     ]:
         if value is not None:
-            _positive(key, value)
+            positive(key, value)

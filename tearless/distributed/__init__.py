@@ -1,23 +1,5 @@
-"""Scale-out: the RL trainer's worker ranks as Ray actors over FSDP2-sharded models.
-
-Light to import: the Ray and FSDP machinery (``tearless.distributed.ray_group``, ``.fsdp``,
-``.weight_sync``) is imported only by a run with ``trainer.placement=ray`` (or sharded ranks).
+"""The parallel toolbox: FSDP2 sharding and loading (``fsdp``) and the weight broadcast of the split
+placement (``weight_sync``), over ``torch.distributed`` only. No Ray here: the Ray worker group sits
+beside the :class:`~tearless.workers.group.WorkerGroup` it extends (``tearless.workers.ray_group``),
+and which placement a config asks for is a config fact (:func:`tearless.config.derived.uses_ray`).
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-
-def world_size(cfg: Any) -> int:
-    """Ranks per pool: ``trainer.nnodes × trainer.n_gpus_per_node`` (CPU worker processes on CPU)."""
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-
-
-def uses_ray(cfg: Any) -> bool:
-    """``trainer.placement`` is ray, or auto with more than one worker."""
-    placement = cfg.trainer.placement
-    return placement == "ray" or (placement == "auto" and world_size(cfg) > 1)
-
-
-__all__ = ["uses_ray", "world_size"]

@@ -185,3 +185,8 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole of a (possibly DTensor-sharded) tensor; an all-gather for a DTensor, so every rank of
     its mesh must call it for the same tensors in the same order."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor; a plain tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,6 +1,6 @@
 """``tearless flow-pretrain`` and ``tearless flow-train``: the Flow-GRPO commands.
 
-:func:`add_flow_parsers` registers both on the main parser's subcommands; :func:`run` executes one.
+``tearless.cli`` registers both (:data:`HELPS`) on the main parser's subcommands; :func:`run` executes one.
 """
 
 from __future__ import annotations
@@ -10,19 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COMMANDS = ("flow-pretrain", "flow-train")
-
-
-def add_flow_parsers(sub: argparse._SubParsersAction) -> None:
-    helps = {
-        "flow-pretrain": "flow-matching pre-training of an embedded task's velocity model (points2d, shapes)",
-        "flow-train": "Flow-GRPO: RL of a flow-matching model with SDE rollouts (default: the 2-D task)",
-    }
-    from tearless.cli import add_config_command
-
-    for name, text in helps.items():
-        cmd = add_config_command(sub, name, text)
-        cmd.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. task.name=shapes")
+# The commands and their one-line help; ``tearless.cli`` registers them on the main parser.
+HELPS = {
+    "flow-pretrain": "flow-matching pre-training of an embedded task's velocity model (points2d, shapes)",
+    "flow-train": "Flow-GRPO: RL of a flow-matching model with SDE rollouts (default: the 2-D task)",
+}
 
 
 def base_model(cfg: Any, task: Any, log: Any = print) -> tuple[Any, Path]:

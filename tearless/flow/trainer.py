@@ -351,7 +351,7 @@ class FlowGRPOTrainer:
     def fit(self) -> dict[str, Any]:
         """Run ``train.epochs`` epochs with evaluation and checkpoints; returns before/after metrics."""
         from tearless.config.load import to_dict
-        from tearless.trainers.checkpoint import save_checkpoint
+        from tearless.run.checkpoint import save_checkpoint
         from tearless.trainers.tracking import Tracker
 
         cfg, t = self.cfg, self.cfg.trainer

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tearless.distributed.fsdp import full_tensor
+from tearless.distributed.fsdp import full_tensor, local_tensor
 from tearless.models.loading import quiet_transformers
 from tearless.models.lora import is_lora
 
@@ -37,8 +37,6 @@ def _lora_delta(module: torch.nn.Module) -> torch.Tensor:
 def _gathered(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of a state dict, each storage gathered once: tied weights (an LM head
     sharing the embedding) come back as the same tensor, as ``save_pretrained`` expects of them."""
-    from tearless.workers.optim_state import local_tensor
-
     seen: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     for name, value in state.items():
         key = (local_tensor(value).untyped_storage().data_ptr(), tuple(value.shape))

@@ -271,7 +271,7 @@ def reward_config_problems(reward_model: Any, max_response_length: int) -> list[
     if rm.step_reward.prm.enable and not rm.step_reward.prm.path:
         problems.append(
             ("reward_model.step_reward.prm.path", "prm.enable=true needs a process reward model",
-             "Point it at a local PRM directory (python -m tearless.tasks.step_prm builds the embedded "
+             "Point it at a local PRM directory (python -m tearless.trainers.step_prm builds the embedded "
              "chain_addition task's and prints its path).")
         )  # fmt: skip
     if (

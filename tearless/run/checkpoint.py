@@ -39,9 +39,9 @@ import torch
 
 from tearless import faults
 from tearless.models.loading import quiet_transformers
-from tearless.trainers.manifest import STATE_FORMAT, write_manifest
-from tearless.trainers.manifest import CheckpointDamaged as CheckpointDamaged
-from tearless.trainers.manifest import checkpoint_to_resume as _choose
+from tearless.run.manifest import STATE_FORMAT, write_manifest
+from tearless.run.manifest import CheckpointDamaged as CheckpointDamaged
+from tearless.run.manifest import checkpoint_to_resume as _choose
 
 MARKER = "COMPLETE"
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -253,7 +253,7 @@ def checkpoint_to_resume(
     run_dir: str | os.PathLike, from_path: str | os.PathLike | None = None, log: Callable[[str], None] = print
 ) -> Path | None:
     """``from_path`` if given, else the newest complete checkpoint of ``run_dir`` whose files match its
-    checksum manifest (damaged newer ones are reported and skipped; see :mod:`tearless.trainers.manifest`)."""
+    checksum manifest (damaged newer ones are reported and skipped; see :mod:`tearless.run.manifest`)."""
     return _choose(complete_checkpoints(run_dir), from_path=from_path, log=log)
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
+from tearless.distributed.fsdp import local_tensor
 from tearless.models.loading import compute_device
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 
 
 class WeightsNotFinite(RuntimeError):
@@ -30,8 +31,6 @@ def weights_finite(model: torch.nn.Module) -> bool:
     r"""Whether every parameter is finite: :math:`\lVert p \rVert_2` is finite for every tensor ``p``
     (a NaN or an infinity anywhere makes its tensor's norm non-finite; so does a finite weight so
     large that its tensor's norm overflows float32, which is as broken)."""
-    from tearless.workers.optim_state import local_tensor
-
     norms = [
         torch.linalg.vector_norm(local_tensor(p.detach()), dtype=torch.float32) for p in model.parameters()
     ]

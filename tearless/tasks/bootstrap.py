@@ -1,7 +1,6 @@
-"""Make the embedded default task: its data, a tiny Llama-style model and its supervised warm-up.
-
-Everything lands in a cache directory keyed by the task's settings, built under a temporary name
-and renamed when complete, so a second run reuses it and an interrupted build is never picked up.
+"""Make the embedded default task: its settings and cache key, its data, a tiny Llama-style model and
+the flawed teacher's demonstrations. The warm-up that trains the model on them, and the cached build
+of the whole task, are the trainers' (:mod:`tearless.trainers.warmup`): tasks only make data.
 """
 
 from __future__ import annotations
@@ -10,8 +9,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,7 +16,6 @@ from typing import Any
 
 import torch
 
-from tearless.models.loading import quiet_transformers
 from tearless.tasks import arithmetic
 
 VERSION = 2  # bump when the generator, model recipe or warm-up changes, so stale caches are rebuilt
@@ -159,123 +155,3 @@ def warmup_demos(
         for row in rng.sample(rows, len(rows))[: num - len(demos)]:
             demos.append({**row, "response": teacher(row, rng, forget_carry)})
     return demos
-
-
-def supervised_warmup(
-    model: torch.nn.Module,
-    tokenizer,
-    rows: list[dict],
-    *,
-    steps: int,
-    seed: int,
-    forget_carry: float,
-    batch_size: int = 128,
-    lr: float = 3e-3,
-    teacher: Callable[[dict, random.Random, float], str] = arithmetic_teacher,
-    log: Callable[[str], None] | None = None,
-) -> list[float]:
-    """Train on ``steps × batch_size`` flawed-teacher demonstrations (loss on assistant tokens only)
-    with the SFT trainer's step and default optimizer; return the per-step losses. ``log`` receives a
-    progress line about every tenth of the steps (the warm-up takes minutes on a laptop).
-
-    This is exactly one epoch of ``tearless sft`` with no data arguments and the same task settings.
-    """
-    from tearless.config.sft import OfflineOptimConfig
-    from tearless.data import PromptLoader
-    from tearless.data.sft import SFTDataset
-    from tearless.trainers.offline import make_optimizer
-    from tearless.trainers.sft import collate_fn, sft_step
-
-    demos = warmup_demos(rows, num=steps * batch_size, seed=seed, forget_carry=forget_carry, teacher=teacher)
-    loader = PromptLoader(SFTDataset(demos, tokenizer), batch_size, shuffle=True, seed=seed)
-    optim = OfflineOptimConfig(lr=lr)
-    opt, sched = make_optimizer(model, optim, steps)
-    collate = collate_fn(pad_token_id=tokenizer.pad_token_id)
-    losses = []
-    for i in range(steps):
-        metrics = sft_step(model, loader.batch(0, i), opt, sched, collate=collate, clip_grad=optim.clip_grad)
-        losses.append(metrics["train/loss"])
-        every = max(1, steps // 10)
-        if log is not None and ((i + 1) % every == 0 or i + 1 == steps):
-            log(f"  warm-up step {i + 1}/{steps}: loss {metrics['train/loss']:.3f}")
-    return losses
-
-
-def prepare_task(
-    spec: TaskSpec, cache_dir: str | os.PathLike | None = None, *, fresh: bool = False, log=print
-) -> TaskFiles:
-    """Return the task's files, building them first if the cache does not hold them."""
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final = root / spec.key()
-    if fresh and final.exists():
-        shutil.rmtree(final)
-    if not (final / "task.json").is_file():
-        tmp = root / f".{spec.key()}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        log(f"building the embedded '{spec.name}' task in {final} (cached for later runs)")
-        start = time.perf_counter()
-        if spec.name == "multihop":
-            from tearless.tasks import multihop
-
-            built = multihop.build(spec, tmp)
-        elif spec.name == "chain_addition":
-            from tearless.tasks import chain_addition
-
-            built = chain_addition.build(spec, tmp)
-        else:
-            built = build_warmed_task(spec, tmp, task_rows(spec), log=log)
-        info = {
-            "spec": asdict(spec),
-            "version": VERSION,
-            **built,
-            "build_seconds": round(time.perf_counter() - start, 1),
-        }
-        (tmp / "task.json").write_text(json.dumps(info, indent=1))
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same build first; theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
-        log(f"warm-up done in {info['build_seconds']} s (final loss {info['warmup_final_loss']:.3f})")
-    info = json.loads((final / "task.json").read_text())
-    tools = final / "tools.yaml"
-    return TaskFiles(
-        str(final / "model"),
-        str(final / "train.parquet"),
-        str(final / "test.parquet"),
-        info,
-        str(tools) if tools.is_file() else None,
-    )
-
-
-def build_warmed_task(
-    spec: Any,
-    out: Path,
-    rows: tuple[list[dict], list[dict]],
-    teacher: Callable[[dict, random.Random, float], str] = arithmetic_teacher,
-    log: Callable[[str], None] | None = None,
-) -> dict:
-    """Write a task's (train, val) ``rows`` as parquet and its model, warmed up on ``teacher``'s
-    demonstrations, into ``out``; return the warm-up summary (the last 20 steps' mean loss)."""
-    from tearless.data import write_parquet
-    from tearless.tasks.tokenizer import build_char_tokenizer
-
-    train_rows, val_rows = rows
-    write_parquet(train_rows, out / "train.parquet")
-    write_parquet(val_rows, out / "test.parquet")
-    tok = build_char_tokenizer()
-    model = task_model(spec, tok)
-    losses = supervised_warmup(
-        model,
-        tok,
-        train_rows,
-        steps=spec.warmup_steps,
-        seed=spec.seed,
-        forget_carry=spec.forget_carry,
-        teacher=teacher,
-        log=log,
-    )
-    with quiet_transformers():
-        model.save_pretrained(out / "model")
-        tok.save_pretrained(out / "model")
-    return {"warmup_final_loss": sum(losses[-20:]) / len(losses[-20:])}

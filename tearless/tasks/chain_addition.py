@@ -30,7 +30,6 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 DATA_SOURCE = "chain_addition"
@@ -138,10 +137,3 @@ def task_rows(spec: Any) -> tuple[list[dict], list[dict]]:
 def teacher(row: dict, rng: random.Random, forget_carry: float) -> str:
     """The flawed teacher's demonstration for a prompt row (see the module docs)."""
     return SEPARATOR.join(worked_lines(row["extra_info"]["operands"], rng, forget_carry))
-
-
-def build(spec: Any, out: Path) -> dict:
-    """Write the task's parquet files and warmed-up model into ``out``; return the warm-up summary."""
-    from tearless.tasks.bootstrap import build_warmed_task
-
-    return build_warmed_task(spec, out, task_rows(spec), teacher)

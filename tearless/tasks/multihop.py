@@ -21,12 +21,8 @@ Sampling still finds the searching behaviour often enough for RL to make it the 
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from typing import Any
-
-import torch
 
 DATA_SOURCE = "searchR1_multihop"
 TAGS = ("<search>", "</search>", "<answer>", "</answer>", "<information>", "</information>")
@@ -150,74 +146,3 @@ def tools_yaml() -> str:
         "  - class_name: search\n"
         f"    config: {{corpus_path: corpus.jsonl, topk: {TOPK}, max_passage_chars: {MAX_PASSAGE_CHARS}}}\n"
     )
-
-
-def build(spec: Any, out: Path) -> dict:
-    """Write the task into ``out``: train/test parquet, ``corpus.jsonl``, ``tools.yaml`` and the
-    warmed-up ``model`` directory; return the warm-up's summary for ``task.json``."""
-    from tearless.data import write_parquet
-    from tearless.data.prompts import render_prompt
-    from tearless.models.loading import quiet_transformers
-    from tearless.rollout.agent import AgentSettings, SearchR1Format
-    from tearless.tasks.bootstrap import task_model
-    from tearless.tasks.tokenizer import build_char_tokenizer
-    from tearless.tools.search import SearchTool
-
-    kb = make_kb(spec.seed, (max(spec.num_train // 2, 2), max(spec.num_val // 2, 2)))
-    train_rows, val_rows = rows_for(kb, 0, "train"), rows_for(kb, 1, "test")
-    write_parquet(train_rows, out / "train.parquet")
-    write_parquet(val_rows, out / "test.parquet")
-    corpus = [passage(kb, name) for name in kb["people"]]
-    (out / "corpus.jsonl").write_text("".join(json.dumps(p) + "\n" for p in corpus))
-    (out / "tools.yaml").write_text(tools_yaml())
-    (out / "kb.json").write_text(json.dumps(kb))
-
-    tok = build_char_tokenizer(extra_tokens=TAGS)
-    tool = SearchTool(str(out / "corpus.jsonl"), topk=TOPK, max_passage_chars=MAX_PASSAGE_CHARS)
-    fmt = SearchR1Format({"search": tool}, tok, AgentSettings())
-    model = task_model(spec, tok, max_position_embeddings=256)
-    prompts = {i: render_prompt(tok, r["prompt"]) for i, r in enumerate(train_rows)}
-    losses = warmup(model, tok, train_rows, prompts, kb, fmt, tool, steps=spec.warmup_steps, seed=spec.seed)
-    with quiet_transformers():
-        model.save_pretrained(out / "model")
-        tok.save_pretrained(out / "model")
-    return {"warmup_final_loss": sum(losses[-20:]) / len(losses[-20:]), "num_people": len(kb["people"])}
-
-
-def warmup(
-    model: torch.nn.Module,
-    tok: Any,
-    rows: list[dict],
-    prompts: dict[int, list[int]],
-    kb: dict,
-    fmt: Any,
-    tool: Any,
-    *,
-    steps: int,
-    seed: int,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-) -> list[float]:
-    """``steps`` SFT steps on fresh teacher trajectories (loss on model tokens only), two-hop questions
-    ``TWO_HOP_SHARE`` of the time; return the losses."""
-    from tearless.config.sft import OfflineOptimConfig
-    from tearless.trainers.offline import make_optimizer
-    from tearless.trainers.sft import collate_fn, sft_step
-
-    rng = random.Random(seed)
-    one_hop = [i for i, r in enumerate(rows) if r["extra_info"]["hops"] == 1]
-    two_hop = [i for i, r in enumerate(rows) if r["extra_info"]["hops"] == 2]
-    optim = OfflineOptimConfig(lr=lr)
-    opt, sched = make_optimizer(model, optim, steps)
-    collate = collate_fn(pad_token_id=tok.pad_token_id)
-    losses = []
-    for _ in range(steps):
-        batch = []
-        for _ in range(batch_size):
-            i = rng.choice(two_hop if rng.random() < TWO_HOP_SHARE else one_hop)
-            info = rows[i]["extra_info"]
-            segments = teacher_segments(kb, info["person"], info["hops"], rng)
-            batch.append(demo_tokens(segments, prompts[i], fmt, tool))
-        metrics = sft_step(model, batch, opt, sched, collate=collate, clip_grad=optim.clip_grad)
-        losses.append(metrics["train/loss"])
-    return losses

@@ -45,8 +45,8 @@ import torch
 
 from tearless import faults
 from tearless.rollout.seeds import prompt_keys
+from tearless.run.timer import Timer
 from tearless.trainers.collect import select
-from tearless.trainers.metrics import Timer
 from tearless.workers.group import Rollout
 
 

@@ -10,7 +10,7 @@ from tearless import faults
 from tearless.algos import filter_groups
 from tearless.rollout.hf import concat_rollouts, select_rows
 from tearless.rollout.seeds import prompt_keys
-from tearless.trainers.metrics import Timer
+from tearless.run.timer import Timer
 from tearless.workers.group import Rollout
 
 

@@ -34,26 +34,15 @@ import torch
 
 from tearless.algos import KTO_LOSSES, REFERENCE_FREE, dpo_loss
 from tearless.config.dpo import DPOConfig
-from tearless.data.pairs import PairDataset, UnpairedDataset, collate_pairs, side_lengths
+from tearless.data.pairs import PairDataset, UnpairedDataset, side_lengths
 from tearless.data.sft import read_many
 from tearless.trainers import offline
+from tearless.trainers.kto import kto_step
 from tearless.trainers.progress import Progress
-from tearless.trainers.sft import token_logps
+from tearless.trainers.sft import side_logps
 
 PAIR_SIDES = ("chosen", "rejected")
 KTO_SIDES = ("completion", "kl")
-
-
-def side_logps(
-    model: torch.nn.Module, items: Sequence[dict], *, pad_token_id: int, sides: Sequence[str] = PAIR_SIDES
-) -> torch.Tensor:
-    """Summed response log-probs, shape (P, len(sides)): column k is side ``sides[k]`` of each item
-    (by default 0 the chosen response, 1 the rejected one), all sides forwarded in one batch."""
-    batch = collate_pairs(items, pad_token_id=pad_token_id, sides=sides)
-    logps = token_logps(model, batch)
-    mask = batch["loss_mask"][:, 1:].to(logps.device).bool()
-    sums = torch.where(mask, logps, 0.0).sum(-1)
-    return torch.stack(sums.chunk(len(sides)), dim=1)
 
 
 @torch.no_grad()
@@ -202,8 +191,9 @@ class DPOTrainer:
         model_path, data = cfg.model.path, cfg.data
         if model_path is not None and data.train_files is not None:
             return model_path, data.train_files, data.val_files, data.val_prompt_files
-        from tearless.tasks.bootstrap import TaskSpec, prepare_task
+        from tearless.tasks.bootstrap import TaskSpec
         from tearless.tasks.preferences import prepare_pairs
+        from tearless.trainers.warmup import prepare_task
 
         task = cfg.task
         spec = TaskSpec.from_config(task)
@@ -282,8 +272,6 @@ class DPOTrainer:
         )
 
     def _step(self, items: list[dict], ref: dict, **kwargs: Any) -> dict[str, float]:
-        from tearless.trainers.kto import kto_step
-
         step = kto_step if self.unpaired else preference_step
         return step(self.model, items, ref, **{**self._step_kwargs(), **kwargs})
 

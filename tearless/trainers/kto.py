@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from tearless.algos import kto_loss, kto_reference_point
-from tearless.trainers.dpo import side_logps
+from tearless.trainers.sft import side_logps
 
 
 @torch.no_grad()

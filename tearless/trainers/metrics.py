@@ -1,10 +1,9 @@
-"""Metric computations of the RL loop: batch statistics with veRL's names, pass@k, timing."""
+"""Metric computations of the RL loop: batch statistics with veRL's names, pass@k (the step's timer is
+:class:`tearless.run.timer.Timer`)."""
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from contextlib import contextmanager
 from math import comb
 
 import torch
@@ -61,20 +60,3 @@ def zero_variance_group_ratio(scores: torch.Tensor, uids: list[str]) -> float:
         groups[uid].append(score)
     return sum(max(v) == min(v) for v in groups.values()) / max(1, len(groups))
 
-
-class Timer:
-    """Collects ``timing_s/<name>`` for each phase of a step."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, name: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] += time.perf_counter() - start
-
-    def metrics(self) -> dict[str, float]:
-        return {f"timing_s/{k}": v for k, v in self.seconds.items()}

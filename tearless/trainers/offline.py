@@ -26,7 +26,7 @@ from tearless.cpu import configure_cpu
 from tearless.data.rows import DataError
 from tearless.rewards import UnknownDataSource, compute_score, get_scorer
 from tearless.rewards.manager import load_reward_function
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 from tearless.trainers.progress import Progress
 from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import lr_lambda

@@ -30,6 +30,7 @@ from tensordict import TensorDict
 from tearless import faults
 from tearless.algos import compute_advantage, make_kl_controller
 from tearless.config import Config, to_dict
+from tearless.config.derived import critic_enabled, on_policy, roles
 from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
@@ -40,26 +41,23 @@ from tearless.rewards.steps import rollout_token_rewards
 from tearless.rollout.correction import rollout_correction, rollout_rejection
 from tearless.rollout.sync_probe import METRIC as SYNC_PROBE_METRIC
 from tearless.rollout.sync_probe import max_difference, mismatch_message, probe_bound, probe_ids
-from tearless.trainers import checkpoint as ckpt
-from tearless.trainers import resume_compat, runlock
+from tearless.run import checkpoint as ckpt
+from tearless.run import resume_compat
+from tearless.run.timer import Timer
+from tearless.trainers import runlock
 from tearless.trainers.async_loop import AsyncPipeline
 from tearless.trainers.collect import collect
-from tearless.trainers.metrics import Timer, data_metrics, zero_variance_group_ratio
+from tearless.trainers.metrics import data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
-from tearless.workers.actor import on_policy, reward_kl
+from tearless.workers.actor import reward_kl
 from tearless.workers.build import hybrid_rollout_dtype, precision_mismatch, role_key, rollout_dtype
 from tearless.workers.critic import critic_value_stats, explained_variance
-from tearless.workers.group import Rollout, make_workers
+from tearless.workers.group import Rollout
+from tearless.workers.placement import make_workers
 from tearless.workers.spec import RankSpec
-
-
-def critic_enabled(cfg: Config) -> bool:
-    """A critic is trained when ``critic.enable`` says so, or (null) when the estimator is GAE."""
-    enable = cfg.critic.enable
-    return cfg.algorithm.adv_estimator == "gae" if enable is None else bool(enable)
 
 
 def uid_index(uids: list[str]) -> torch.Tensor:
@@ -158,11 +156,9 @@ class RLTrainer:
         self.response_length = arr.rollout.response_length or data.max_response_length
         self.reward_errors = RewardErrors(cfg.reward_model.tolerate_failed_steps, self.log)
         self.start_step, resume_dir = self._find_resume()
-        roles = ("actor",) + (("ref",) if arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else ())
-        roles += ("critic",) if critic_enabled(cfg) else ()
         spec = RankSpec(
             cfg,
-            roles=roles,
+            roles=roles(cfg),
             rollout=True,
             model_path=str(model_path),
             total_steps=self.total_steps,
@@ -175,7 +171,7 @@ class RLTrainer:
         # The hybrid built-in engine sampling in another precision than the trainer's π_old forward
         # (rollout.dtype vs actor param_dtype): π_old is recomputed so rollout_corr/* shows the mismatch.
         self.precision_mismatch = precision_mismatch(cfg, self.workers.device)
-        self._announce_autocast(roles, self.workers.device)
+        self._announce_autocast(spec.roles, self.workers.device)
         alg = cfg.algorithm
         self.kl_ctrl = make_kl_controller(
             alg.kl_ctrl.type, alg.kl_ctrl.kl_coef, alg.kl_ctrl.target_kl, alg.kl_ctrl.horizon
@@ -203,7 +199,8 @@ class RLTrainer:
             # A Hub ID becomes its cached snapshot here, once, so every rank and engine reads one directory.
             model_path = str(check_model_dir(model_path, "actor_rollout_ref.model.path"))
         if model_path is None or train_files is None:
-            from tearless.tasks.bootstrap import TaskSpec, prepare_task
+            from tearless.tasks.bootstrap import TaskSpec
+            from tearless.trainers.warmup import prepare_task
 
             files = prepare_task(
                 TaskSpec.from_config(cfg.task), cfg.task.cache_dir, fresh=cfg.task.fresh, log=self.log

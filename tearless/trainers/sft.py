@@ -23,6 +23,7 @@ import torch
 
 from tearless.algos import logprobs_from_logits
 from tearless.config.sft import SFTConfig
+from tearless.data.pairs import collate_pairs
 from tearless.data.sft import SFTDataset, pack_batch, pad_batch, read_many
 from tearless.trainers import offline
 
@@ -61,6 +62,22 @@ def token_logps(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
         use_cache=False,
     ).logits[:, :-1]
     return logprobs_from_logits(logits, ids[:, 1:])
+
+
+def side_logps(
+    model: torch.nn.Module,
+    items: Sequence[dict],
+    *,
+    pad_token_id: int,
+    sides: Sequence[str] = ("chosen", "rejected"),
+) -> torch.Tensor:
+    """Summed response log-probs, shape (P, len(sides)): column k is side ``sides[k]`` of each item
+    (by default 0 the chosen response, 1 the rejected one), all sides forwarded in one batch."""
+    batch = collate_pairs(items, pad_token_id=pad_token_id, sides=sides)
+    logps = token_logps(model, batch)
+    mask = batch["loss_mask"][:, 1:].to(logps.device).bool()
+    sums = torch.where(mask, logps, 0.0).sum(-1)
+    return torch.stack(sums.chunk(len(sides)), dim=1)
 
 
 def sft_loss(logps: torch.Tensor, loss_mask: torch.Tensor, num_tokens: int) -> torch.Tensor:

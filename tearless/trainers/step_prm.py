@@ -13,7 +13,7 @@ An implicit PRM (PRIME) needs no step labels: :func:`prepare_implicit_prm` train
 warm-up model with ``tearless dpo algorithm.loss_type=implicit_prm`` on the same kind of sampled
 answers labelled by their outcome only; its log-ratio to the warm-up model is the token reward.
 
-    python -m tearless.tasks.step_prm   # builds the default chain_addition task and PRM, prints its path
+    python -m tearless.trainers.step_prm   # builds the default chain_addition task and PRM, prints its path
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def prepare_implicit_prm(
 
 
 if __name__ == "__main__":
-    from tearless.tasks.bootstrap import prepare_task
+    from tearless.trainers.warmup import prepare_task
 
     spec = TaskSpec(name="chain_addition")
     print(prepare_prm(spec, prepare_task(spec)).model_dir)

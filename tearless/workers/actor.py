@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
-from tearless.config.derived import policy_loss_knobs
+from tearless.config.derived import on_policy, policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
 from tearless.workers.schedule import (
@@ -219,11 +219,6 @@ class Actor(LogProbWorker):
     def entropy_of(self, rows: TensorDict) -> torch.Tensor:
         """Entropies of ``rows``' response tokens from a forward without gradient."""
         return self.compute_log_prob(rows, with_entropy=True)[1]
-
-
-def on_policy(cfg: ActorConfig, num_prompts: int) -> bool:
-    """One epoch over one mini-batch: the update's ratio is exactly 1, old log-probs are not needed."""
-    return cfg.ppo_epochs == 1 and num_prompts == cfg.ppo_mini_batch_size
 
 
 def skips_zero_adv_rows(cfg: ActorConfig, num_prompts: int) -> bool:

@@ -8,7 +8,7 @@ the rows), ``update_policy`` / ``update_critic`` (the one schedule of
 asks where the ranks are. What differs between placements is only how a call reaches the ranks:
 
 - :class:`LocalWorkers`: one :class:`~tearless.workers.rank.Rank` in this process (world size 1);
-- :class:`tearless.distributed.ray_group.RayWorkers`: Ray actors holding ranks over FSDP2 shards,
+- :class:`tearless.workers.ray_group.RayWorkers`: Ray actors holding ranks over FSDP2 shards,
   colocated with their rollout engines (hybrid) or beside separate rollout workers (split).
 
 A batch's rows carry their prompt group (``uid_index``): a prompt's responses stay on one rank.
@@ -24,10 +24,10 @@ import torch
 from tensordict import TensorDict
 
 from tearless.config import Config
-from tearless.config.derived import loss_scale_factor
+from tearless.config.derived import loss_scale_factor, on_policy
 from tearless.rollout.agent import agent_metrics
 from tearless.rollout.hf import RolloutOutput, concat_rollouts
-from tearless.workers.actor import on_policy, policy_update
+from tearless.workers.actor import policy_update
 from tearless.workers.critic import critic_settings, update_settings
 from tearless.workers.rank import Rank
 from tearless.workers.schedule import balanced_partition, count_micro_batches, row_tokens, scheduled_update
@@ -275,7 +275,7 @@ class WorkerGroup:
         return policy, [e for e in engines if e is not None]
 
     def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Stop the run (:class:`tearless.trainers.guards.WeightsNotFinite`) if an update left a trained
+        """Stop the run (:class:`tearless.run.guards.WeightsNotFinite`) if an update left a trained
         model's weights, or the actor's logits on ``probe``, non-finite."""
         for pool in self.trained_pools():
             self._call(pool, "check_weights", [(step, probe)] * self.world_of(pool), "weight check")
@@ -314,15 +314,3 @@ class LocalWorkers(WorkerGroup):
 
     def close(self) -> None:
         self.rank.close()
-
-
-def make_workers(spec: RankSpec, pad_token_id: int, *, run_dir: Any = None) -> WorkerGroup:
-    """The worker group of ``spec.cfg``'s placement: Ray workers when ``trainer.placement`` asks for
-    them (or, with ``auto``, for more than one), else this process."""
-    from tearless.distributed import uses_ray
-
-    if uses_ray(spec.cfg):
-        from tearless.distributed.ray_group import RayWorkers
-
-        return RayWorkers(spec, pad_token_id, run_dir=run_dir)
-    return LocalWorkers(spec, pad_token_id)

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tearless.distributed.fsdp import local_tensor
+
 INDEX = "index.json"
 FORMAT = 1
 
@@ -32,13 +34,6 @@ def shard_rows(rows: int, rank: int, world: int) -> tuple[int, int]:
     chunk = math.ceil(rows / world) if rows else 0
     start = min(rank * chunk, rows)
     return start, min(start + chunk, rows)
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor; a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _layout(p: torch.Tensor) -> tuple[int, int]:

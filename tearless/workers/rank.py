@@ -39,17 +39,31 @@ from tensordict import TensorDict
 
 from tearless.config.derived import loss_scale_factor
 from tearless.cpu import configure_cpu
-from tearless.distributed.fsdp import move_optimizer_state, optimizer_state_moves, process_group_backend
+from tearless.distributed.fsdp import (
+    gathered,
+    move_optimizer_state,
+    optimizer_state_moves,
+    process_group_backend,
+)
+from tearless.distributed.weight_sync import WeightBroadcast
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tearless.models.logprobs import response_logprobs
 from tearless.models.precision import configure_cuda
 from tearless.models.value import response_values
 from tearless.models.weights import hf_weights, save_model
-from tearless.trainers.metrics import Timer
+from tearless.run import guards, resume_compat
+from tearless.run.timer import Timer
 from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, actor_settings
 from tearless.workers.build import ModelBuilder, build_rollout, rollout_dtype
 from tearless.workers.critic import Critic, critic_settings, update_settings
 from tearless.workers.optim_state import load_optimizer, save_optimizer
-from tearless.workers.schedule import attention_mask, micro_batches, pad_micro_batches, run_plan
+from tearless.workers.schedule import (
+    all_ranks_agree,
+    attention_mask,
+    micro_batches,
+    pad_micro_batches,
+    run_plan,
+)
 from tearless.workers.scoring import score_responses
 from tearless.workers.spec import RankSpec, resolve_device
 
@@ -190,8 +204,6 @@ class Rank:
 
         if self.spec.cfg.actor_rollout_ref.rollout.name != "hf" or "actor" not in self.roles:
             return nullcontext()
-        from tearless.distributed.fsdp import gathered
-
         return gathered(self.roles["actor"].model, self.models.fsdp("actor").reshard_after_forward)
 
     def generate_share(
@@ -351,8 +363,6 @@ class Rank:
     def probe_policy(self, ids: list[int]) -> torch.Tensor:
         """The actor's teacher-forced log-probs of ``ids[1:]`` at temperature 1, for the sync probe
         (:mod:`tearless.rollout.sync_probe`); every rank of a sharded actor runs the same forward."""
-        from tearless.models.logprobs import response_logprobs
-
         model = self.roles["actor"].model
         row = torch.tensor([ids], dtype=torch.long)
         mask = torch.ones_like(row)
@@ -373,8 +383,6 @@ class Rank:
     def open_weight_sync(self, address: str, sync_rank: int, sync_world: int) -> None:
         """Join the weight-broadcast group of the split placement: training rank 0 (sync rank 0) and
         every rollout rank (gloo on CPU, NCCL on GPU)."""
-        from tearless.distributed.weight_sync import WeightBroadcast
-
         self.weight_sync = WeightBroadcast(
             address,
             sync_rank,
@@ -459,8 +467,6 @@ class Rank:
 
     def load(self, directory: str, state: dict[str, Any]) -> None:
         """Restore the trained roles' optimizer state (any saving placement) and schedules."""
-        from tearless.trainers import resume_compat
-
         cfg = self.spec.cfg
         for role in TRAINED:
             if role not in self.roles:
@@ -474,11 +480,8 @@ class Rank:
             resume_compat.apply_config({role: (unit.optimizer, unit.scheduler, optim)}, None, cfg)
 
     def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """The bad-step guard's weight check (:func:`tearless.trainers.guards.check_weights`) on the
+        """The bad-step guard's weight check (:func:`tearless.run.guards.check_weights`) on the
         trained roles this rank holds, agreed by all ranks."""
-        from tearless.trainers import guards
-        from tearless.workers.schedule import all_ranks_agree
-
         actor, critic = self.roles.get("actor"), self.roles.get("critic")
         guards.check_weights(
             step,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tearless.config import Config, to_dict
-from tearless.distributed import reaper
+from tearless.workers import reaper
 from tearless.workers.group import WorkerGroup
 from tearless.workers.rank import Rank
 from tearless.workers.spec import RankSpec

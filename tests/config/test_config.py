@@ -10,7 +10,7 @@ import pytest
 
 import tearless
 from tearless.config import Config, ConfigError, describe, load_config, to_dict, to_yaml
-from tearless.config.load import _all_keys
+from tearless.config.schema import all_keys
 
 # Paths that do not exist: a config check that ran after loading anything would fail differently.
 MISSING = [
@@ -265,7 +265,7 @@ def test_verl_grpo_example_overrides_run_unchanged_where_the_feature_exists():
 
 def test_every_key_is_documented_and_described():
     text = describe()
-    keys = list(_all_keys())
+    keys = list(all_keys())
     assert len(keys) > 80
     for key, field in keys:
         doc = field.metadata.get("help", "")
@@ -281,7 +281,7 @@ def test_every_key_is_documented_and_described():
 def test_schema_sections_are_dataclasses_with_defaults():
     # Every field can be built without arguments: Config() is the default run.
     cfg = Config()
-    for key, _ in _all_keys():
+    for key, _ in all_keys():
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)

@@ -8,8 +8,8 @@ import pytest
 
 from tearless.cli import main
 from tearless.data import DataError, load_rows
-from tearless.data.make import make_rows
 from tearless.rewards import compute_score
+from tearless.tasks.make import make_rows
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "countdown", "knights_knaves", "word_problems"])
@@ -51,7 +51,7 @@ def test_the_printed_command_fits_the_data_it_wrote(task, tmp_path):
     (measured with the embedded character-level tokenizer, the longest rendering)."""
     from tearless.config import load_config
     from tearless.data import PromptDataset
-    from tearless.data.make import make_task, train_command
+    from tearless.tasks.make import make_task, train_command
     from tearless.tasks.tokenizer import build_char_tokenizer
 
     paths = make_task(task, tmp_path, num_train=30, num_test=10, seed=0)

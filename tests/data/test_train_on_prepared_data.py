@@ -12,8 +12,8 @@ import json
 import pytest
 
 from tearless.cli import main
-from tearless.data.make import make_task
 from tearless.data.prepare import prepare
+from tearless.tasks.make import make_task
 
 GSM8K = [
     {"question": f"Tom has {a} marbles and finds {b} more. How many does he have?",

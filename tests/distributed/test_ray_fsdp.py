@@ -33,11 +33,11 @@ import torch
 from safetensors.torch import load_file
 
 from tearless import train
-from tearless.distributed import ray_group
-from tearless.distributed.ray_group import WorkerError
 from tearless.tasks.arithmetic import compute_score as arithmetic_score
 from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics
+from tearless.workers import ray_group
+from tearless.workers.ray_group import WorkerError
 from tests.tolerances import eps, gradient_terms, loss_rel, sum_tol
 
 pytestmark = pytest.mark.slow
@@ -422,7 +422,7 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
     from tensordict import TensorDict
 
     from tearless.config import load_config
-    from tearless.distributed.ray_group import Pool
+    from tearless.workers.ray_group import Pool
     from tearless.workers.spec import RankSpec
 
     cfg = load_config(None, common(overrides, "unused"))
@@ -445,7 +445,7 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
 
 def test_a_worker_that_does_not_answer_in_time_is_named_and_stopped(ray_session, task, overrides):
     from tearless.config import load_config
-    from tearless.distributed.ray_group import Pool
+    from tearless.workers.ray_group import Pool
     from tearless.workers.spec import RankSpec
 
     cfg = load_config(None, common(overrides, "unused"))

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 from tearless.trainers import runlock
 from tearless.trainers.records import read_records
 from tearless.trainers.tracking import read_metrics

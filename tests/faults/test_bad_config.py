@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from tearless.algos import make_kl_controller
 from tearless.config import ConfigError, load_config
-from tearless.config.load import _all_keys
+from tearless.config.derived import critic_enabled
+from tearless.config.schema import all_keys
 from tearless.config.validate import _numbers
-from tearless.trainers.rl import critic_enabled
 from tearless.workers.actor import lr_lambda, make_optimizer
 
-KEYS = [k for k, _ in _all_keys()]
+KEYS = [k for k, _ in all_keys()]
 SECTIONS = sorted({k.rsplit(".", 1)[0] for k in KEYS if "." in k})
 _identifier = st.from_regex(r"[a-z][a-z_]{0,12}", fullmatch=True)
 _scalar = st.one_of(

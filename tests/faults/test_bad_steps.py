@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from tearless.config import load_config
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 from tearless.trainers.rl import RLTrainer, TrainingStopped
 from tearless.trainers.tracking import read_metrics
 from tearless.workers.actor import make_optimizer

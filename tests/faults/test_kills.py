@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tearless import faults, train
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 from tests.faults import chain
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tearless.models.loading import load_causal_lm, load_tokenizer
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import torch
 
 import tearless
 from tearless.rewards import compute_score
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 
 PACKAGE = Path(tearless.__file__).parent
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tearless.tasks.bootstrap import TaskSpec, prepare_task
+from tearless.tasks.bootstrap import TaskSpec
+from tearless.trainers.warmup import prepare_task
 
 TINY = TaskSpec(num_train=40, num_val=10, warmup_steps=2, hidden_size=32, num_layers=1)
 
@@ -75,7 +76,8 @@ def test_the_cache_follows_xdg_cache_home_unless_tearless_cache_is_set(monkeypat
 
 
 def test_the_warm_up_prints_its_progress(tmp_path):
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     lines: list[str] = []
     prepare_task(TaskSpec(num_train=20, num_val=5, warmup_steps=20), tmp_path, log=lines.append)

@@ -68,7 +68,8 @@ def test_rows_are_distinct_and_held_out_problems_stay_out_of_training():
 def test_build_writes_rows_a_model_and_a_round_tripping_tokenizer(tmp_path):
     from tearless.data import load_rows
     from tearless.models.loading import load_causal_lm, load_tokenizer
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     spec = TaskSpec(
         name="chain_addition", num_train=40, num_val=10, warmup_steps=3, hidden_size=32, num_layers=1
@@ -104,8 +105,9 @@ def test_config_asks_for_room_for_the_worked_answers():
 
 def test_the_tiny_prm_is_trained_cached_and_read_by_the_scorer(tmp_path):
     from tearless.rewards.prm import ProcessRewardScorer
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
-    from tearless.tasks.step_prm import prepare_prm
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.step_prm import prepare_prm
+    from tearless.trainers.warmup import prepare_task
 
     spec = TaskSpec(
         name="chain_addition", num_train=24, num_val=8, warmup_steps=3, hidden_size=32, num_layers=1
@@ -132,8 +134,9 @@ def test_the_tiny_prm_is_trained_cached_and_read_by_the_scorer(tmp_path):
 def test_the_implicit_prm_is_trained_on_outcomes_and_scores_steps(tmp_path):
     from tearless.data import load_rows
     from tearless.rewards.prm import ProcessRewardScorer
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
-    from tearless.tasks.step_prm import outcome_rows, prepare_implicit_prm
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.step_prm import outcome_rows, prepare_implicit_prm
+    from tearless.trainers.warmup import prepare_task
 
     spec = TaskSpec(
         name="chain_addition", num_train=24, num_val=8, warmup_steps=3, hidden_size=32, num_layers=1

@@ -11,10 +11,11 @@ import pytest
 from tearless.rewards import compute_score
 from tearless.rollout.agent import AgentSettings, SearchR1Format
 from tearless.tasks import multihop
-from tearless.tasks.bootstrap import TaskSpec, prepare_task
+from tearless.tasks.bootstrap import TaskSpec
 from tearless.tasks.tokenizer import build_char_tokenizer
 from tearless.tools import load_tools
 from tearless.tools.search import SearchTool
+from tearless.trainers.warmup import prepare_task
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 
 from tearless.data import render_prompt
 from tearless.rollout.hf import HFRollout, left_pad
-from tearless.trainers import checkpoint as ckpt
+from tearless.run import checkpoint as ckpt
 
 
 def make_checkpoint_dir(run_dir, name, *, complete=True):

@@ -20,8 +20,8 @@ import torch
 
 from tearless.cli import main as cli
 from tearless.config import load_config
+from tearless.run.resume_compat import ResumeMismatch
 from tearless.trainers import runlock
-from tearless.trainers.resume_compat import ResumeMismatch
 from tearless.trainers.rl import RLTrainer
 from tearless.trainers.tracking import read_metrics
 

@@ -14,7 +14,8 @@ from tearless.trainers.tracking import read_metrics
 
 @pytest.fixture(scope="module")
 def chain_task(tmp_path_factory):
-    from tearless.tasks.bootstrap import TaskSpec, prepare_task
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
 
     spec = TaskSpec(
         name="chain_addition", num_train=40, num_val=8, warmup_steps=3, hidden_size=32, num_layers=1
