@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+# local imports: ``import tearless`` stays light: the API (and torch behind it) loads on first use
+
 __version__ = "0.1.0"
 
 # Names served lazily from tearless.api (PEP 562), so that importing tearless imports no config code.

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tearless.config import load_config
 from tearless.config.dpo import DPOConfig
 from tearless.config.schema import (
     ActorConfig,
@@ -39,6 +40,8 @@ from tearless.config.schema import (
     TrainerConfig,
 )
 from tearless.config.sft import SFTConfig
+
+# local imports: torch: building a config through the API does not import it; training does
 
 RLConfig = Config
 """The RL trainer's config: the same nested fields as the YAML files (``RLConfig().data.train_batch_size``
@@ -173,7 +176,6 @@ class Trainer:
         return self.config
 
     def _load_config(self) -> Config:
-        from tearless.config import load_config
 
         paths = []
         model_path = self._model_path()

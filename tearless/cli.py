@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 from tearless.flow.cli import HELPS as FLOW_HELPS
 
+# local imports: --help speed: a command imports only what it runs
+
 DEBUG_ENV = "TEARLESS_DEBUG"
 
 

@@ -20,6 +20,13 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from tearless.algos import ADV_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty
+from tearless.cli import _parser
+from tearless.config.dpo import DPOConfig
+from tearless.config.schema import Config, all_keys
+from tearless.config.sft import SFTConfig
+from tearless.flow.config import FlowConfig
+
 CONFIG_MARKER = "<!-- tearless:config-reference -->"
 CLI_MARKER = "<!-- tearless:cli-reference -->"
 FORMULAS_MARKER = "<!-- tearless:formulas -->"
@@ -27,11 +34,6 @@ FORMULAS_MARKER = "<!-- tearless:formulas -->"
 
 def schemas() -> list[tuple[str, str, type]]:
     """(title, commands, dataclass) of every config schema, in the order of the page."""
-    from tearless.config.dpo import DPOConfig
-    from tearless.config.schema import Config
-    from tearless.config.sft import SFTConfig
-    from tearless.flow.config import FlowConfig
-
     return [
         ("RL trainer", "`tearless train`, `python -m tearless.main_ppo`, `tearless.RLConfig`", Config),
         ("SFT", "`tearless sft`, `tearless.SFTConfig`", SFTConfig),
@@ -42,8 +44,6 @@ def schemas() -> list[tuple[str, str, type]]:
 
 def schema_keys(schema: type) -> Iterator[tuple[str, dataclasses.Field, Any]]:
     """Every leaf key of ``schema`` as (dotted key, field, default value), in declaration order."""
-    from tearless.config.schema import all_keys
-
     defaults = schema()
     for key, f in all_keys(schema):
         value: Any = defaults
@@ -123,8 +123,6 @@ def _columns(width: int) -> Iterator[None]:
 
 def cli_reference() -> str:
     """Markdown: ``tearless --help`` and each (sub)command's help, as the parser prints them."""
-    from tearless.cli import _parser
-
     with _columns(100):
         parser = _parser()
         out = ["## `tearless`\n", "```text", parser.format_help().rstrip(), "```\n"]
@@ -181,8 +179,6 @@ def _registry_sections(title: str, registry: dict, note: str) -> list[str]:
 def formulas_reference() -> str:
     """Markdown: every advantage estimator and policy-loss mode with the formula from its docstring,
     then the loss aggregation modes and the KL estimators."""
-    from tearless.algos import ADV_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty
-
     out = _registry_sections(
         "Advantage estimators",
         ADV_ESTIMATORS,

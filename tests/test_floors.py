@@ -186,6 +186,7 @@ MODULES = _modules()
 EDGES = _edges(MODULES)
 # a comment on the import's line, or on the line(s) right above it or above its run of imports
 _REASON = re.compile(r"#\s*\S")
+_MODULE_REASON = re.compile(r"# local imports: \S")
 
 
 def test_every_module_has_a_floor() -> None:
@@ -224,12 +225,13 @@ def _has_reason(lines: list[str], line: int) -> bool:
 
 def test_function_local_imports_say_why() -> None:
     """A tearless module imported inside a function instead of at the top carries a comment saying why
-    (an optional heavy dependency behind it, ``--help`` speed): a cycle is never the reason."""
+    (an optional heavy dependency behind it, ``--help`` speed): a cycle is never the reason. A module
+    whose every local import has one reason says it once, in a top-level ``# local imports: <why>``."""
     silent = []
     for e in EDGES:
         if e.local and not e.type_only:
             lines = MODULES[e.source].read_text().splitlines()
-            if not _has_reason(lines, e.line):
+            if not any(_MODULE_REASON.match(line) for line in lines) and not _has_reason(lines, e.line):
                 silent.append(f"{e.source}:{e.line} imports {e.target}")
     assert sorted(set(silent)) == [], "function-local imports without a comment saying why:\n" + "\n".join(
         sorted(set(silent))

@@ -181,6 +181,7 @@ def validate_algorithm(alg: DPOAlgorithmConfig, data: DPODataConfig, model: DPOM
     """The ``algorithm`` keys against each other and against the batch and model settings."""
     import inspect
 
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.algos import DPO_LOSSES, F_DIVERGENCES, KTO_LOSSES, REFERENCE_FREE
 
     kind = alg.loss_type

@@ -18,8 +18,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from tearless.config.errors import ConfigError
+from tearless.config.identity import default_experiment_name
 from tearless.config.schema import Config, all_keys
 from tearless.config.user_model import MODEL_KEY, describe_applied, explicit_keys, user_model_defaults
+from tearless.config.validate import validate
+from tearless.config.verl_compat import Refused, rules_for, translate
 
 # Keys veRL's docs write where its code does not read them: the error names the key that works.
 MISPLACED_KEYS = {
@@ -93,8 +96,6 @@ def _keys_of(schema: type) -> tuple[frozenset[str], frozenset[str]]:
 def _from_verl(layer: Any, source: str, schema: type, notify: Callable[[str], None] | None) -> Any:
     """One config layer with veRL-only keys translated (tearless.config.verl_compat) and a single
     ``trainer.logger`` name made a list."""
-    from tearless.config.verl_compat import Refused, rules_for, translate
-
     tree = OmegaConf.to_container(layer, resolve=False)
     if not isinstance(tree, dict):
         return layer
@@ -201,8 +202,6 @@ def load_config(
             raise _explain(e, source, schema) from e
     _apply_user_model_defaults(merged, [layer for layer, _ in layers], schema, notify)
     if schema is Config and merged.trainer.experiment_name is None:
-        from tearless.config.identity import default_experiment_name
-
         # Derived from the model, data and estimator, so that different runs get different directories.
         merged.trainer.experiment_name = default_experiment_name(
             OmegaConf.to_container(merged, resolve=False)
@@ -214,8 +213,6 @@ def load_config(
     assert isinstance(cfg, schema)
     if validate_config:
         if schema is Config:
-            from tearless.config.validate import validate
-
             validate(cfg)
         elif hasattr(cfg, "validate"):
             cfg.validate()

@@ -153,6 +153,7 @@ def validate_common(data: Any, model: OfflineModelConfig, optim: OfflineOptimCon
     """Checks shared by the SFT and DPO configs."""
     import os
 
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.data.prompts import TRUNCATION_MODES
     from tearless.models.loading import DTYPES
 

@@ -16,6 +16,9 @@ from tearless.config.errors import fail, one_of, positive
 from tearless.config.schema import Config, all_keys
 from tearless.config.validate_async import validate_offpolicy
 from tearless.config.validate_loss import validate_loss
+from tearless.models.hub import local_model_path
+from tearless.rewards.managers import reward_config_problems
+from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
 
 ESTIMATORS = (
     "gae",
@@ -38,6 +41,7 @@ MAX_SEQUENCE_TOKENS = 1 << 20
 
 def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.algos import KL_ESTIMATORS
 
     data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
@@ -154,9 +158,7 @@ def validate(cfg: Config) -> None:
         )
     positive("actor_rollout_ref.rollout.temperature", rollout.temperature)
     if not 0 < rollout.top_p <= 1:
-        fail(
-            "actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {rollout.top_p}", "1.0 disables it."
-        )
+        fail("actor_rollout_ref.rollout.top_p", f"must be in (0, 1], got {rollout.top_p}", "1.0 disables it.")
     val = rollout.val_kwargs
     if val.do_sample and val.temperature <= 0:
         fail(
@@ -175,6 +177,7 @@ def validate(cfg: Config) -> None:
         "actor_rollout_ref.model.dtype", cfg.actor_rollout_ref.model.dtype, ("float32", "bfloat16", "float16")
     )
     _validate_lora(cfg)
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.data import TRUNCATION_MODES
 
     one_of("data.truncation", data.truncation, list(TRUNCATION_MODES))
@@ -209,7 +212,6 @@ def validate(cfg: Config) -> None:
             "Point it at a Python file that "
             f"defines {crf.name}(data_source, solution_str, ground_truth, extra_info=None).",
         )
-    from tearless.rewards.managers import reward_config_problems
 
     response_length = cfg.actor_rollout_ref.rollout.response_length or data.max_response_length
     for key, problem, fix in reward_config_problems(cfg.reward_model, response_length):
@@ -234,6 +236,7 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_critic(cfg: Config) -> None:
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.algos import AGG_MODES
 
     c, a = cfg.critic, cfg.actor_rollout_ref.actor
@@ -473,6 +476,7 @@ def _validate_placement(cfg: Config) -> None:
 
 
 def _validate_multi_turn(cfg: Config) -> None:
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.rollout.agent import FORMATS, TRUNCATE_SIDES
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
@@ -506,8 +510,6 @@ def _validate_multi_turn(cfg: Config) -> None:
 def _validate_adapter(path: str, rank: int) -> None:
     """``lora_adapter_path`` holds a peft LoRA adapter whose rank is ``lora_rank`` (read before any model
     loads; a Hub ID is resolved, and downloaded unless offline, here)."""
-    from tearless.models.hub import local_model_path
-
     key = "actor_rollout_ref.model.lora_adapter_path"
     try:
         local = local_model_path(path, key)
@@ -570,8 +572,6 @@ def _validate_lora(cfg: Config) -> None:
 def _validate_step_reward(cfg: Config) -> None:
     """The chain_addition task's answers need room; step rewards need a separator and weights (the PRM
     path is checked with the other reward_model keys, in reward_config_problems)."""
-    from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
-
     embedded = cfg.data.train_files is None
     if embedded and cfg.task.name == "chain_addition" and cfg.task.warmup_steps < WARMUP_STEPS:
         fail(

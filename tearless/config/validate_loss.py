@@ -10,6 +10,7 @@ ACTOR = "actor_rollout_ref.actor"
 
 def validate_loss(cfg: Config) -> None:
     """Raise ``ConfigError`` for a loss key that is out of range or cannot apply to the chosen mode."""
+    # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.algos import AGG_MODES, POLICY_LOSSES
     from tearless.algos.losses import FIXED_AGG_MODES
 

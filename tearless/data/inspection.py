@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tearless.data.prompts import render_prompt
 from tearless.data.rows import DataError, normalize_row, read_raw_rows
+from tearless.rewards import get_scorer
 
 _SHOW_ROWS = 5  # row numbers listed per problem
 _CELL = 300  # characters shown per row
@@ -38,8 +40,6 @@ def inspect_file(
     num_rows: int = 3,
 ) -> Inspection:
     """Inspect one ``.parquet`` / ``.jsonl`` / ``.json`` file (see the module docs)."""
-    from tearless.rewards import get_scorer
-
     path = Path(path)
     raw, lines = read_raw_rows(path)
     out = [f"{path}: {len(raw)} rows"]
@@ -102,7 +102,6 @@ def _schema(path: Path, raw: list[Any]) -> list[str]:
 def _lengths(
     rows: list[tuple[int, dict]], tokenizer: Any, max_prompt_length: int | None, issues: dict
 ) -> list[str]:
-    from tearless.data.prompts import render_prompt
 
     lengths = [(i, len(render_prompt(tokenizer, row["prompt"]))) for i, row in rows]
     values = sorted(n for _, n in lengths)

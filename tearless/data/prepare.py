@@ -33,6 +33,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from tearless.data.rows import DataError, write_parquet
+from tearless.rewards.math_answer import last_boxed
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -101,8 +102,6 @@ def gsm8k_row(record: dict, split: str, index: int) -> dict | None:
 
 def math_row(record: dict, split: str, index: int) -> dict | None:
     """A row from a MATH record, or ``None`` when it has no answer to check against."""
-    from tearless.rewards.math_answer import last_boxed
-
     problem = record.get("problem")
     if not isinstance(problem, str):
         raise DataError(f"MATH record {index} ({split}) needs a 'problem'; it has keys {sorted(record)}")

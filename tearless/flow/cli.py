@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# local imports: --help speed: a command imports only what it runs
+
 # The commands and their one-line help; ``tearless.cli`` registers them on the main parser.
 HELPS = {
     "flow-pretrain": "flow-matching pre-training of an embedded task's velocity model (points2d, shapes)",

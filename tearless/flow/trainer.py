@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from tearless.algos import compute_advantage, gaussian_kl, policy_loss
+from tearless.config.load import to_dict
 from tearless.flow.config import FlowConfig
 from tearless.flow.models import save_flow_model
 from tearless.flow.sampler import (
@@ -52,6 +53,8 @@ from tearless.flow.sampler import (
     step_params,
 )
 from tearless.flow.tasks import FlowTask, RewardFn, image_grid
+from tearless.run.checkpoint import save_checkpoint
+from tearless.trainers.tracking import Tracker
 
 
 def flow_advantages(
@@ -350,10 +353,6 @@ class FlowGRPOTrainer:
 
     def fit(self) -> dict[str, Any]:
         """Run ``train.epochs`` epochs with evaluation and checkpoints; returns before/after metrics."""
-        from tearless.config.load import to_dict
-        from tearless.run.checkpoint import save_checkpoint
-        from tearless.trainers.tracking import Tracker
-
         cfg, t = self.cfg, self.cfg.trainer
         total = cfg.train.epochs
         tracker = Tracker(

@@ -148,6 +148,7 @@ class OverlongPenaltyManager(_Manager):
     def score(self, items: Sequence[dict]) -> list[ScoreResult]:
         import torch
 
+        # torch: the reward worker processes import tearless.rewards without it
         from tearless.algos import overlong_penalty
 
         missing = [i for i, item in enumerate(items) if "response_length" not in item]
@@ -324,6 +325,7 @@ def make_reward_manager(
             )
     manager = rule
     if rm.enable:
+        # a model-based scorer loads transformers: only a config that names one pays for it
         from tearless.rewards.model import RewardModelScorer
 
         scorer = RewardModelScorer(
@@ -335,6 +337,7 @@ def make_reward_manager(
         manager = ModelRewardManager(scorer, rule, rm.rule_weight)
     sr = rm.step_reward
     if sr.prm.enable:
+        # a model-based scorer loads transformers: only a config that names one pays for it
         from tearless.rewards.prm import ProcessRewardScorer
 
         prm = ProcessRewardScorer(

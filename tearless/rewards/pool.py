@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from tearless.rewards.sandbox import SandboxError
+
 # (data_source, solution_str, ground_truth, extra_info)
 Request = tuple[str, str, Any, Any]
 Outcome = tuple
@@ -71,8 +73,6 @@ def evaluate(
     A process the function forked that returns from it here exits at once: it must not go on as a
     copy of the caller (a second trainer, or a second worker reading the same pipe).
     """
-    from tearless.rewards.sandbox import SandboxError
-
     data_source, solution_str, ground_truth, extra_info = request
     pid = os.getpid()
     try:

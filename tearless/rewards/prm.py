@@ -216,6 +216,7 @@ class ProcessRewardScorer:
         """(B, L): β(log π(x_p|x_<p) − log π_ref(x_p|x_<p)) at every position p ≥ 1, 0 at p = 0."""
         import torch
 
+        # torch: the reward worker processes import tearless.rewards without it
         from tearless.algos import logprobs_from_logits
 
         labels = input_ids[:, 1:]

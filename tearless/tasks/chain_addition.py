@@ -64,6 +64,7 @@ def worked_lines(
 def judge_steps(solution_str: str, operands: Sequence[int]) -> tuple[list[float], list[int], float]:
     """``(step_scores, step_ends, step_validity)`` of a response: 1.0 / 0.0 per non-empty line, the
     lines' end offsets, and the share of the ``len(operands) - 1`` expected steps present and valid."""
+    # torch: config validation imports this module's constants without it
     from tearless.rewards.steps import split_steps
 
     ends = split_steps(solution_str, SEPARATOR)

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from tearless.data.rows import DataError, write_parquet
+from tearless.tasks import arithmetic, countdown, knights_knaves, word_problems
 
 TASKS = ("arithmetic", "countdown", "knights_knaves", "word_problems")
 # The real model the commands name: small enough to train on a laptop CPU (docs/real-model.md).
@@ -30,18 +31,11 @@ def make_rows(
     if num_train < 1 or num_test < 1:
         raise DataError(f"need at least one train and one test row, got {num_train} and {num_test}")
     if task == "arithmetic":
-        from tearless.tasks import arithmetic
-
         test = arithmetic.generate_rows(num_test, seed=seed, split="test")
         held_out = {(r["extra_info"]["a"], r["extra_info"]["b"]) for r in test}
         train = arithmetic.generate_rows(num_train, seed=seed + 1, split="train", exclude=held_out)
         return {"train": train, "test": test}
-    if task == "countdown":
-        from tearless.tasks import countdown as module
-    elif task == "word_problems":
-        from tearless.tasks import word_problems as module
-    else:
-        from tearless.tasks import knights_knaves as module
+    module = {"countdown": countdown, "word_problems": word_problems, "knights_knaves": knights_knaves}[task]
     extra = {"num_people": num_people or 3} if task == "knights_knaves" else {}
     seen: set = set()
     try:

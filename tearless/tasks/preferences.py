@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from tearless.data import load_rows, render_prompt, write_parquet
+from tearless.models.loading import load_causal_lm, load_tokenizer
+from tearless.rollout.hf import HFRollout
+from tearless.rollout.seeds import prompt_keys
 from tearless.tasks import arithmetic
 from tearless.tasks.bootstrap import TaskFiles, TaskSpec, default_cache_dir
 
@@ -49,10 +53,6 @@ def make_pairs(
 ) -> list[dict]:
     """Preference rows (``prompt``, ``chosen``, ``rejected`` strings, plus the prompt row's
     ``data_source``, ``reward_model`` and ``extra_info`` with the sample counts) for ``rows``."""
-    from tearless.data import render_prompt
-    from tearless.rollout.hf import HFRollout
-    from tearless.rollout.seeds import prompt_keys
-
     rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     keys = prompt_keys(seed, 0, 0, len(rows))
     pairs = []
@@ -106,9 +106,6 @@ def prepare_pairs(
     log=print,
 ) -> PairFiles:
     """Training and held-out pairs from ``task``'s warm-up model on its train and test prompts."""
-    from tearless.data import load_rows, write_parquet
-    from tearless.models.loading import load_causal_lm, load_tokenizer
-
     settings = {
         "task": spec.key(),
         "samples_per_prompt": samples_per_prompt,

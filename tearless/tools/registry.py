@@ -40,10 +40,12 @@ def register_tool(name: str) -> Callable[[type], type]:
 
 def _builtin(name: str) -> Callable[..., ToolLike] | None:
     if name == "search":
+        # a built-in tool's module loads only when a config names the tool
         from tearless.tools.search import SearchTool
 
         return SearchTool
     if name == "python":
+        # a built-in tool's module loads only when a config names the tool
         from tearless.tools.python import PythonTool
 
         return PythonTool

@@ -34,12 +34,17 @@ import torch
 
 from tearless.algos import KTO_LOSSES, REFERENCE_FREE, dpo_loss
 from tearless.config.dpo import DPOConfig
+from tearless.data import PromptLoader, load_many
 from tearless.data.pairs import PairDataset, UnpairedDataset, side_lengths
 from tearless.data.sft import read_many
+from tearless.models.loading import load_causal_lm, load_tokenizer
+from tearless.tasks.bootstrap import TaskSpec
+from tearless.tasks.preferences import prepare_pairs
 from tearless.trainers import offline
 from tearless.trainers.kto import kto_step
 from tearless.trainers.progress import Progress
 from tearless.trainers.sft import side_logps
+from tearless.trainers.warmup import prepare_task
 
 PAIR_SIDES = ("chosen", "rejected")
 KTO_SIDES = ("completion", "kl")
@@ -126,8 +131,6 @@ class DPOTrainer:
     ``DPOTrainer(cfg).fit()`` trains and returns a summary."""
 
     def __init__(self, cfg: DPOConfig, *, log: Callable[[str], None] = print) -> None:
-        from tearless.data import PromptLoader, load_many
-        from tearless.models.loading import load_causal_lm, load_tokenizer
 
         self.cfg, self.log = cfg, log
         data, t = cfg.data, cfg.trainer
@@ -191,9 +194,6 @@ class DPOTrainer:
         model_path, data = cfg.model.path, cfg.data
         if model_path is not None and data.train_files is not None:
             return model_path, data.train_files, data.val_files, data.val_prompt_files
-        from tearless.tasks.bootstrap import TaskSpec
-        from tearless.tasks.preferences import prepare_pairs
-        from tearless.trainers.warmup import prepare_task
 
         task = cfg.task
         spec = TaskSpec.from_config(task)
@@ -219,8 +219,6 @@ class DPOTrainer:
     def _fill_reference(self, split: str, items: Sequence[dict]) -> dict[int, tuple[float, ...]]:
         """``self.ref[split]`` with the reference log-probs of both sides of ``items`` added where missing
         (zeros without a reference: ``reference_free``, or a reference-free loss type)."""
-        from tearless.models.loading import load_causal_lm
-
         known = self.ref[split]
         todo = [it for it in items if it["index"] not in known]
         if not todo:

@@ -59,4 +59,3 @@ def zero_variance_group_ratio(scores: torch.Tensor, uids: list[str]) -> float:
     for score, uid in zip(scores.tolist(), uids, strict=True):
         groups[uid].append(score)
     return sum(max(v) == min(v) for v in groups.values()) / max(1, len(groups))
-

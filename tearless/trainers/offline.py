@@ -24,8 +24,10 @@ from tearless.config import to_dict
 from tearless.config.sft import OfflineOptimConfig, OfflineTrainerConfig
 from tearless.cpu import configure_cpu
 from tearless.data.rows import DataError
+from tearless.data.sft import sft_prompt
 from tearless.rewards import UnknownDataSource, compute_score, get_scorer
 from tearless.rewards.manager import load_reward_function
+from tearless.rollout.hf import HFRollout
 from tearless.run import checkpoint as ckpt
 from tearless.trainers.progress import Progress
 from tearless.trainers.tracking import Tracker, truncate_jsonl
@@ -239,9 +241,6 @@ def greedy_accuracy(
     ``rows`` are veRL-schema prompt rows. A response is correct when its scorer's ``acc`` is true
     or, without one, its score is ≥ 1 (as in the RL trainer's validation).
     """
-    from tearless.data.sft import sft_prompt
-    from tearless.rollout.hf import HFRollout
-
     score_fn = score_fn or compute_score
     progress = Progress(log, "held-out greedy accuracy", len(rows), "prompts")
 

@@ -44,6 +44,7 @@ from tearless.rollout.sync_probe import max_difference, mismatch_message, probe_
 from tearless.run import checkpoint as ckpt
 from tearless.run import resume_compat
 from tearless.run.timer import Timer
+from tearless.tasks.bootstrap import TaskSpec
 from tearless.trainers import runlock
 from tearless.trainers.async_loop import AsyncPipeline
 from tearless.trainers.collect import collect
@@ -52,6 +53,7 @@ from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_recor
 from tearless.trainers.reward_errors import RewardErrors
 from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
+from tearless.trainers.warmup import prepare_task
 from tearless.workers.actor import reward_kl
 from tearless.workers.build import hybrid_rollout_dtype, precision_mismatch, role_key, rollout_dtype
 from tearless.workers.critic import critic_value_stats, explained_variance
@@ -199,9 +201,6 @@ class RLTrainer:
             # A Hub ID becomes its cached snapshot here, once, so every rank and engine reads one directory.
             model_path = str(check_model_dir(model_path, "actor_rollout_ref.model.path"))
         if model_path is None or train_files is None:
-            from tearless.tasks.bootstrap import TaskSpec
-            from tearless.trainers.warmup import prepare_task
-
             files = prepare_task(
                 TaskSpec.from_config(cfg.task), cfg.task.cache_dir, fresh=cfg.task.fresh, log=self.log
             )

@@ -17,18 +17,24 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tearless.algos import logprobs_from_logits
 from tearless.config.sft import SFTConfig
+from tearless.data import PromptLoader, load_many
 from tearless.data.pairs import collate_pairs
 from tearless.data.sft import SFTDataset, pack_batch, pad_batch, read_many
+from tearless.models.loading import (
+    enable_activation_checkpointing,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_dtype,
+)
+from tearless.tasks.bootstrap import TaskSpec, task_model, task_rows, warmup_demos
+from tearless.tasks.tokenizer import build_char_tokenizer
 from tearless.trainers import offline
-
-if TYPE_CHECKING:
-    from tearless.tasks.bootstrap import TaskSpec
 
 
 def block_causal_mask(segment_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -159,14 +165,6 @@ class SFTTrainer:
     """Single-process SFT trainer. ``SFTTrainer(cfg).fit()`` trains and returns a summary."""
 
     def __init__(self, cfg: SFTConfig, *, log: Callable[[str], None] = print) -> None:
-        from tearless.data import PromptLoader, load_many
-        from tearless.models.loading import (
-            enable_activation_checkpointing,
-            load_causal_lm,
-            load_tokenizer,
-            resolve_dtype,
-        )
-
         self.cfg, self.log = cfg, log
         data, t = cfg.data, cfg.trainer
         self.device = offline.setup_torch(t)
@@ -183,8 +181,6 @@ class SFTTrainer:
             self.prompt_rows = self.prompt_rows[: data.val_max_samples]
         self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
         if cfg.model.path is None and cfg.model.tokenizer_path is None:
-            from tearless.tasks.tokenizer import build_char_tokenizer
-
             tokenizer = build_char_tokenizer()
         else:
             tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.path")
@@ -226,7 +222,6 @@ class SFTTrainer:
         )
 
     def _spec(self) -> TaskSpec:
-        from tearless.tasks.bootstrap import TaskSpec
 
         task = self.cfg.task
         return TaskSpec.from_config(
@@ -236,8 +231,6 @@ class SFTTrainer:
     def _embedded(self) -> tuple[list[dict], list[dict], list[dict]]:
         """The embedded task's warm-up data: ``warmup_steps × train_batch_size`` flawed-teacher
         demonstrations, one per held-out prompt for ``val/loss``, and the held-out prompts."""
-        from tearless.tasks.bootstrap import task_rows, warmup_demos
-
         spec = self._spec()
         train_rows, val_rows = task_rows(spec)
         num = spec.warmup_steps * self.cfg.data.train_batch_size
@@ -249,8 +242,6 @@ class SFTTrainer:
 
     def _fresh_model(self) -> torch.nn.Module:
         """The embedded task's tiny Llama, freshly initialised (the warm-up's starting point)."""
-        from tearless.tasks.bootstrap import task_model
-
         return task_model(self._spec(), self.tokenizer)
 
     def train_step(self, items: list[dict]) -> dict[str, float]:

@@ -30,8 +30,17 @@ from typing import Any
 
 import torch
 
+from tearless.config import load_config
+from tearless.config.dpo import DPOConfig
+from tearless.data import load_rows, render_prompt, write_parquet
+from tearless.models.loading import load_causal_lm, load_tokenizer, quiet_transformers
+from tearless.rewards.prm import encode_steps
+from tearless.rollout.hf import HFRollout
+from tearless.rollout.seeds import prompt_keys
 from tearless.tasks import chain_addition
 from tearless.tasks.bootstrap import TaskFiles, TaskSpec, default_cache_dir
+from tearless.trainers.dpo import DPOTrainer
+from tearless.trainers.warmup import prepare_task
 
 PRM_VERSION = 1  # bump when the recipe changes, so stale caches are rebuilt
 
@@ -47,11 +56,6 @@ def labelled_answers(
     model: torch.nn.Module, tokenizer: Any, rows: list[dict], *, samples_per_prompt: int, seed: int
 ) -> list[dict]:
     """Sampled answers with their token ids and per-step positions and labels (1 = valid step)."""
-    from tearless.data import render_prompt
-    from tearless.rewards.prm import encode_steps
-    from tearless.rollout.hf import HFRollout
-    from tearless.rollout.seeds import prompt_keys
-
     rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     out = rollout.generate(
         [render_prompt(tokenizer, r["prompt"]) for r in rows],
@@ -144,9 +148,6 @@ def prepare_prm(
     log=print,
 ) -> PRMFiles:
     """The task's PRM, trained and cached if the cache does not hold it."""
-    from tearless.data import load_rows
-    from tearless.models.loading import load_causal_lm, load_tokenizer, quiet_transformers
-
     if spec.name != "chain_addition":
         raise ValueError(f"the embedded PRM is made for task.name=chain_addition, not {spec.name!r}")
     settings = {
@@ -197,10 +198,6 @@ def outcome_rows(
 ) -> list[dict]:
     """Unpaired preference rows (``prompt``, ``completion``, ``label`` = the answer is right) from
     sampled answers of ``model``; the prompt row's ``data_source``, ``reward_model``, ``extra_info`` kept."""
-    from tearless.data import render_prompt
-    from tearless.rollout.hf import HFRollout
-    from tearless.rollout.seeds import prompt_keys
-
     rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
     out = rollout.generate(
         [render_prompt(tokenizer, r["prompt"]) for r in rows],
@@ -232,12 +229,6 @@ def prepare_implicit_prm(
     """The task's implicit PRM: the warm-up model trained with ``implicit_prm`` on outcome-labelled
     samples (cached). Its ``info`` holds the training run's held-out metrics and ``beta``; score with
     ``prm.kind=implicit prm.path=<model_dir> prm.ref_path=<the task's model> prm.beta=<beta>``."""
-    from tearless.config import load_config
-    from tearless.config.dpo import DPOConfig
-    from tearless.data import load_rows, write_parquet
-    from tearless.models.loading import load_causal_lm, load_tokenizer
-    from tearless.trainers.dpo import DPOTrainer
-
     settings = {
         "task": spec.key(),
         "samples_per_prompt": samples_per_prompt,
@@ -295,7 +286,5 @@ def prepare_implicit_prm(
 
 
 if __name__ == "__main__":
-    from tearless.trainers.warmup import prepare_task
-
     spec = TaskSpec(name="chain_addition")
     print(prepare_prm(spec, prepare_task(spec)).model_dir)

@@ -19,10 +19,16 @@ from typing import Any
 import torch
 
 from tearless.config import Config
+from tearless.distributed.fsdp import shard_from_rank0
 from tearless.models.hub import local_model_path
 from tearless.models.loading import load_causal_lm, resolve_dtype
+from tearless.models.lora import add_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
+from tearless.rewards import load_reward_function, make_reward_manager
+from tearless.rollout.agent import AgentLoop, AgentSettings
+from tearless.rollout.hf import HFRollout
+from tearless.tools import load_tools
 from tearless.workers.spec import RankSpec
 
 
@@ -87,7 +93,6 @@ class ModelBuilder:
     def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         if self.mesh is None:
             return build(True).to(self.device)
-        from tearless.distributed.fsdp import shard_from_rank0
 
         fsdp, cuda = self.fsdp(role), self.device.type == "cuda"
         dtype = compute_dtype(fsdp.param_dtype, self.device, role_key(role), warn=False)
@@ -125,7 +130,6 @@ class ModelBuilder:
                 model.requires_grad_(False)
             if not lora:
                 return model
-            from tearless.models.lora import add_lora, load_lora
 
             adapter = resume or (
                 local_model_path(m.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path")
@@ -212,8 +216,6 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
             enforce_eager=True if arr.rollout.enforce_eager else None,
         )
     else:
-        from tearless.rollout.hf import HFRollout
-
         model = trained
         if model is None:
             model = load_causal_lm(spec.model_path, dtype=rollout_dtype(cfg, spec.device)).to(device)
@@ -227,7 +229,6 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
             compute_dtype=precision,
             cuda_graphs=not arr.rollout.enforce_eager,
         )
-    from tearless.rewards import load_reward_function, make_reward_manager
 
     crf = cfg.custom_reward_function
     reward_fn = spec.reward_fn
@@ -243,9 +244,6 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
     agent = None
     mt = arr.rollout.multi_turn
     if mt.enable:
-        from tearless.rollout.agent import AgentLoop, AgentSettings
-        from tearless.tools import load_tools
-
         agent = AgentLoop(
             engine,
             tokenizer,

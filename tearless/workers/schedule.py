@@ -30,6 +30,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import agg_loss
+from tearless.distributed.fsdp import clip_grad_norm
 
 
 def attention_mask(td: TensorDict) -> torch.Tensor:
@@ -288,8 +289,6 @@ def run_plan(
     a term that does not reach the parameters. The scheduler steps once per call. Returns (metrics
     that add up over ranks, averaged over steps; metrics equal on every rank).
     """
-    from tearless.distributed.fsdp import clip_grad_norm
-
     unit.model.train()
     sums: dict[str, float] = defaultdict(float)
     grad_norms = 0.0
