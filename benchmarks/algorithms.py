@@ -18,7 +18,7 @@ import time
 
 import tearless
 from tearless.config import presets
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 
 
 def main() -> None:

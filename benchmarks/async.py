@@ -25,8 +25,8 @@ import tempfile
 import torch
 
 from tearless.config import load_config
+from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import RLTrainer
-from tearless.trainers.tracking import read_metrics
 
 SPLIT = [
     "trainer.placement=ray",

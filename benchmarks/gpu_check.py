@@ -107,7 +107,7 @@ def run_rl(args: list[str], log: list[str]) -> dict:
 
 
 def step_numbers(run_dir: Path, first: int) -> dict:
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
 
     records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "timing_s/step" in r]
     later = [r["timing_s/step"] for r in records if r["step"] >= first]

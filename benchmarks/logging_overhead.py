@@ -21,8 +21,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from tearless.config import load_config
+from tearless.run.tracking import Tracker
 from tearless.trainers import rl
-from tearless.trainers.tracking import Tracker
 
 
 def timed(fn: Callable, seconds: list[float]) -> Callable:

@@ -27,7 +27,7 @@ def cpu_seconds() -> float:
 
 def run(name: str, run_dir: Path, steps: int, test_freq: int, seed: int, extra: list[str]) -> dict:
     from tearless import train
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
 
     overrides = [
         f"trainer.default_local_dir={run_dir}",

@@ -205,11 +205,11 @@ def _main(argv: list[str]) -> int:
         usage = _options_help(parser, args.command) if getattr(args, "help", False) else ""
         print(usage + describe(cfg))
         return 0
+    from tearless.config.resume_compat import ResumeMismatch
     from tearless.data.rows import DataError
     from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
     from tearless.run.checkpoint import CheckpointError
     from tearless.run.guards import WeightsNotFinite
-    from tearless.run.resume_compat import ResumeMismatch
     from tearless.trainers.rl import TrainingStopped
     from tearless.trainers.runlock import RunLocked
 

@@ -39,10 +39,10 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("tearless.data",),
     # embedded tasks: they make data, tokenizers and untrained tiny models (no training)
     ("tearless.tasks",),
-    # the schema, loading, validation and the facts derived from a resolved config
-    ("tearless.config",),
-    # what a run keeps and checks: checkpoints, manifests, resume checks, the weight guard, timers
+    # what a run keeps and checks: checkpoints and their manifest, the loggers, the weight guard, timers
     ("tearless.run",),
+    # the schema, loading, validation, resume checks and the facts derived from a resolved config
+    ("tearless.config",),
     # ranks, roles, the update schedule and the worker groups (in-process and Ray)
     ("tearless.workers",),
     # the loops: RL, SFT, DPO/KTO, and the warm-ups that train the tasks' tiny models

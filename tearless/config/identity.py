@@ -29,7 +29,7 @@ import os
 import re
 from typing import Any
 
-# Keys whose difference makes another run: never resumed across (run/resume_compat.py).
+# Keys whose difference makes another run: never resumed across (config/resume_compat.py).
 IDENTITY_KEYS = (
     "actor_rollout_ref.model.path",
     "actor_rollout_ref.model.tokenizer_path",

@@ -104,6 +104,12 @@ class ModelConfig:
     lora_save_merged: bool = doc(
         False, "with LoRA, checkpoints also hold actor_merged/: the merged model as a plain HF directory"
     )
+    external_lib: Any = doc(
+        None,
+        "a module name, or a list of them, that every process imports before validation and before its "
+        "ranks build their roles (Ray actors too), so the policy losses, advantage estimators and reward "
+        "functions it registers are known everywhere (veRL key); null = none",
+    )
 
 
 @dataclass

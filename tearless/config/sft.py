@@ -17,8 +17,8 @@ from typing import Any
 
 from tearless.config.errors import fail, one_of
 from tearless.config.schema import KEEP_FREED_MEMORY_DOC, CustomRewardConfig, doc
+from tearless.run.tracking import LOGGERS
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 SCHEDULERS = ("constant", "cosine")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")

@@ -13,27 +13,14 @@ from typing import Any
 
 from tearless.config.derived import critic_enabled
 from tearless.config.errors import fail, one_of, positive
+from tearless.config.external import import_external_libs
 from tearless.config.schema import Config, all_keys
 from tearless.config.validate_async import validate_offpolicy
 from tearless.config.validate_loss import validate_loss
 from tearless.models.hub import local_model_path
 from tearless.rewards.managers import reward_config_problems
+from tearless.run.tracking import LOGGERS
 from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
-
-ESTIMATORS = (
-    "gae",
-    "grpo",
-    "rloo",
-    "reinforce_plus_plus",
-    "reinforce_plus_plus_baseline",
-    "remax",
-    "opo",
-    "grpo_passk",
-    "gpg",
-    "grpo_process",
-)
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-
 
 MAX_ROLLOUT_N = 1024
 MAX_SEQUENCE_TOKENS = 1 << 20
@@ -42,8 +29,10 @@ MAX_SEQUENCE_TOKENS = 1 << 20
 def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
     # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
-    from tearless.algos import KL_ESTIMATORS
+    from tearless.algos import ADV_ESTIMATORS, KL_ESTIMATORS
 
+    # First: a loss or estimator the user's modules register must be in the registries checked below.
+    import_external_libs(cfg)
     data, actor, rollout = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     n = rollout.n
     for key, value in [
@@ -128,7 +117,7 @@ def validate(cfg: Config) -> None:
     one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, [*KL_ESTIMATORS, *straight_through])
     one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, [k for k in KL_ESTIMATORS if k != "full"])
     one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, ("fixed", "adaptive"))
-    one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ESTIMATORS)
+    one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, sorted(ADV_ESTIMATORS))
     _validate_critic(cfg)
     fg = cfg.algorithm.filter_groups
     if fg.enable:

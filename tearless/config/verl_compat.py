@@ -223,12 +223,6 @@ RULES: list[Rule] = [
         instead="a model architecture transformers ships",
     ),
     Rule(
-        f"{ARR}.model.external_lib",
-        "no extra modules are imported",
-        accept=(None,),
-        instead="register the model with transformers before calling tearless.train",
-    ),
-    Rule(
         f"{ARR}.model.override_config",
         "the model's config is used as saved",
         accept=({},),

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tearless.config.schema import doc
-from tearless.config.sft import DEVICES, LOGGERS, fail, one_of, positive
+from tearless.config.sft import DEVICES, fail, one_of, positive
+from tearless.run.tracking import LOGGERS
 
 TASKS = ("points2d", "shapes")
 

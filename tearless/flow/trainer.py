@@ -54,7 +54,7 @@ from tearless.flow.sampler import (
 )
 from tearless.flow.tasks import FlowTask, RewardFn, image_grid
 from tearless.run.checkpoint import save_checkpoint
-from tearless.trainers.tracking import Tracker
+from tearless.run.tracking import Tracker
 
 
 def flow_advantages(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tearless.report.diagnose import Diagnosis, History, diagnose, step_ranges
 from tearless.report.plots import Plot, draw_panels, same_as_mean
-from tearless.trainers.tracking import read_metrics_counted, skipped_lines_message
+from tearless.run.tracking import read_metrics_counted, skipped_lines_message
 
 # Config keys a reader wants first; the whole config is in the run's config.json.
 CONFIG_HIGHLIGHTS = (
@@ -53,7 +53,7 @@ def load_run(run_dir: str | Path, log: Callable[[str], None] | None = None) -> t
 
     What the page cannot use is skipped and counted, never fatal (``log`` gets one line for each
     kind): lines of ``metrics.jsonl`` that are not metrics records
-    (:func:`~tearless.trainers.tracking.read_metrics_counted`), metric values that are not numbers,
+    (:func:`~tearless.run.tracking.read_metrics_counted`), metric values that are not numbers,
     and a ``config.json`` that is not a JSON object."""
     run = Path(run_dir)
     metrics = run / "metrics.jsonl"

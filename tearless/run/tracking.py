@@ -17,6 +17,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+# The loggers the Tracker serves (``trainer.logger`` of every trainer); config validation reads this one
+# list. metrics.jsonl is written whatever the list says.
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 KEY_METRICS = {
     "critic/score/mean": "reward",
     "reward/accuracy": "acc",

@@ -29,8 +29,8 @@ from tearless.rewards import UnknownDataSource, compute_score, get_scorer
 from tearless.rewards.manager import load_reward_function
 from tearless.rollout.hf import HFRollout
 from tearless.run import checkpoint as ckpt
+from tearless.run.tracking import Tracker, truncate_jsonl
 from tearless.trainers.progress import Progress
-from tearless.trainers.tracking import Tracker, truncate_jsonl
 from tearless.workers.actor import lr_lambda
 
 KEY_METRICS = {"train/loss": "loss", "rewards/accuracies": "acc", "train/grad_norm": "grad", "train/lr": "lr"}

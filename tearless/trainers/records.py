@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from tearless.trainers.tracking import parse_jsonl
+from tearless.run.tracking import parse_jsonl
 
 ROLLOUTS_FILE = "rollouts.jsonl.gz"
 

@@ -29,7 +29,7 @@ from tensordict import TensorDict
 
 from tearless import faults
 from tearless.algos import compute_advantage, make_kl_controller
-from tearless.config import Config, to_dict
+from tearless.config import Config, resume_compat, to_dict
 from tearless.config.derived import critic_enabled, on_policy, roles
 from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
@@ -42,8 +42,8 @@ from tearless.rollout.correction import rollout_correction, rollout_rejection
 from tearless.rollout.sync_probe import METRIC as SYNC_PROBE_METRIC
 from tearless.rollout.sync_probe import max_difference, mismatch_message, probe_bound, probe_ids
 from tearless.run import checkpoint as ckpt
-from tearless.run import resume_compat
 from tearless.run.timer import Timer
+from tearless.run.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.tasks.bootstrap import TaskSpec
 from tearless.trainers import runlock
 from tearless.trainers.async_loop import AsyncPipeline
@@ -51,7 +51,6 @@ from tearless.trainers.collect import collect
 from tearless.trainers.metrics import data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.reward_errors import RewardErrors
-from tearless.trainers.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.trainers.validation import format_validation, validate
 from tearless.trainers.warmup import prepare_task
 from tearless.workers.actor import reward_kl

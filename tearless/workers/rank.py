@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from tearless.config import resume_compat
 from tearless.config.derived import loss_scale_factor
+from tearless.config.external import import_external_libs
 from tearless.cpu import configure_cpu
 from tearless.distributed.fsdp import (
     gathered,
@@ -51,7 +53,7 @@ from tearless.models.logprobs import response_logprobs
 from tearless.models.precision import configure_cuda
 from tearless.models.value import response_values
 from tearless.models.weights import hf_weights, save_model
-from tearless.run import guards, resume_compat
+from tearless.run import guards
 from tearless.run.timer import Timer
 from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, actor_settings
 from tearless.workers.build import ModelBuilder, build_rollout, rollout_dtype
@@ -77,6 +79,8 @@ class Rank:
 
     def __init__(self, rank: int, world: int, spec: RankSpec) -> None:
         self.rank, self.world, self.spec = rank, world, spec
+        # Before any role is built: the losses its modules register (a Ray rank is another process).
+        import_external_libs(spec.cfg)
         self.roles: dict[str, Any] = {}
         self.engine: Any = None
         self.reward: Any = None

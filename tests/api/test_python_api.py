@@ -11,7 +11,7 @@ from tearless.api import SummedReward, Trainer
 from tearless.config import ConfigError
 from tearless.config.schema import Config
 from tearless.data.rows import load_rows
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 
 
 @pytest.fixture

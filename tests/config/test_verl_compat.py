@@ -159,7 +159,7 @@ def test_script_trains_two_steps(name, task, tmp_path, capsys):
         log=lambda _: None,
     )
     assert summary["steps"] == 2
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
 
     steps = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "critic/score/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]

@@ -33,9 +33,9 @@ import torch
 from safetensors.torch import load_file
 
 from tearless import train
+from tearless.run.tracking import read_metrics
 from tearless.tasks.arithmetic import compute_score as arithmetic_score
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 from tearless.workers import ray_group
 from tearless.workers.ray_group import WorkerError
 from tests.tolerances import eps, gradient_terms, loss_rel, sum_tol

@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import load_file
 
 from tearless.run import checkpoint as ckpt
+from tearless.run.tracking import read_metrics
 from tearless.trainers import runlock
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 
 STEPS = 4
 REPO = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tearless.cli import main
-from tearless.trainers.tracking import read_metrics, read_metrics_counted, truncate_jsonl
+from tearless.run.tracking import read_metrics, read_metrics_counted, truncate_jsonl
 from tests.report.histories import STEPS, healthy, write_run
 
 BAD_LINES = {

@@ -17,8 +17,8 @@ from tearless import train
 from tearless.rewards import RewardManager
 from tearless.rewards.managers import BatchRewardManager
 from tearless.rewards.pool import check_value
+from tearless.run.tracking import read_metrics
 from tearless.tasks import arithmetic
-from tearless.trainers.tracking import read_metrics
 
 _scalars = st.one_of(
     st.none(),

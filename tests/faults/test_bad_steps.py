@@ -14,8 +14,8 @@ from tensordict import TensorDict
 
 from tearless.config import load_config
 from tearless.run import checkpoint as ckpt
+from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import RLTrainer, TrainingStopped
-from tearless.trainers.tracking import read_metrics
 from tearless.workers.actor import make_optimizer
 from tearless.workers.schedule import UpdateSettings, run_plan, scheduled_update
 from tests.faults.chain import _equal, optimizer_state

@@ -15,8 +15,8 @@ import pytest
 from tearless import train
 from tearless.data.prompts import DataError
 from tearless.data.rows import load_rows, write_parquet
+from tearless.run.tracking import read_metrics
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 ONE_STEP = (

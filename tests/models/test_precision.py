@@ -223,7 +223,7 @@ def test_rollout_in_bf16_against_an_fp32_trainer_logs_the_mismatch(overrides, ta
     from transformers import AutoConfig
 
     from tearless import train
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
     from tests.tolerances import logprob_tol
 
     extra = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_max_samples=4"]

@@ -16,7 +16,7 @@ from tearless.rewards import RewardError, RewardManager
 from tearless.rewards.managers import BatchRewardManager
 from tearless.rewards.pool import MAX_ABS_SCORE, check_value
 from tearless.rewards.sandbox import SandboxError
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 
 
 def item(solution: str, source: str = "test") -> dict:

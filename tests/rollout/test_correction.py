@@ -89,7 +89,7 @@ def test_trainer_logs_the_mismatch_and_applies_tis(overrides, task, tmp_path):
     """With the hf engine the sampler is the trainer's own model, so the weights are 1 up to float
     noise and the TIS run's losses equal the plain run's: the wiring is exercised end to end."""
     from tearless import train
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
 
     common = ["trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_max_samples=4"]
     common += ["actor_rollout_ref.rollout.val_kwargs.do_sample=false", "trainer.num_threads=1"]

@@ -10,9 +10,9 @@ import math
 import pytest
 
 from tearless import train
+from tearless.run.tracking import read_metrics
 from tearless.tools import load_tools
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ from transformers import AutoConfig
 
 from tearless import train
 from tearless.config import load_config
+from tearless.run.tracking import read_metrics
 from tearless.trainers.async_loop import Batch, fresh_groups, response_versions, staleness_metrics
 from tearless.trainers.rl import RLTrainer
-from tearless.trainers.tracking import read_metrics
 from tests.tolerances import logprob_tol
 
 QUIET = {"log": lambda _: None}

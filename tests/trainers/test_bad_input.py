@@ -11,9 +11,9 @@ import pytest
 from tearless import train
 from tearless.config import ConfigError
 from tearless.data import DataError, load_rows, write_jsonl, write_parquet
+from tearless.run.tracking import read_metrics
 from tearless.tasks import arithmetic
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 
 ONE_STEP = ("trainer.total_training_steps=1", "trainer.val_before_train=false", "data.val_max_samples=8")
 

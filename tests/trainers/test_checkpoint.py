@@ -126,7 +126,7 @@ def test_checkpoint_loads_with_transformers_alone_and_generates_like_the_trainer
 @pytest.mark.slow
 def test_max_actor_ckpt_to_keep_prunes_and_resume_modes(overrides, tmp_path):
     from tearless import train
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
 
     run = tmp_path / "run"
     args = overrides(

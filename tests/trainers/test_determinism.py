@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tearless import train
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 

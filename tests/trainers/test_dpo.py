@@ -15,10 +15,10 @@ from tearless.cli import main
 from tearless.config import load_config
 from tearless.config.dpo import DPOConfig
 from tearless.data.pairs import PairDataset, UnpairedDataset, side_lengths
+from tearless.run.tracking import read_metrics
 from tearless.tasks import arithmetic
 from tearless.trainers.dpo import DPOTrainer, preference_step, reference_logps
 from tearless.trainers.kto import kto_step
-from tearless.trainers.tracking import read_metrics
 from tests.tolerances import gradient_terms, logprob_tol, sum_tol
 
 from .tiny import save_tiny_model

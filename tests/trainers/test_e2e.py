@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
+from tearless.run.tracking import read_metrics
 from tearless.tasks.arithmetic import compute_score
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 from tests.tolerances import eps, kl_of_equal_policies, logprob_tol
 
 pytestmark = pytest.mark.slow

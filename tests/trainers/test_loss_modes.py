@@ -9,8 +9,8 @@ import pytest
 
 from tearless import train
 from tearless.config import load_config
+from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import RLTrainer
-from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow  # each test trains a few steps
 

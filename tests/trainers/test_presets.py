@@ -10,7 +10,7 @@ import pytest
 
 from tearless import train
 from tearless.config import load_config, presets
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 
 pytestmark = pytest.mark.slow  # each test trains a few steps
 

@@ -22,8 +22,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tearless import train
+from tearless.run.tracking import read_metrics
 from tearless.trainers.records import read_records
-from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 

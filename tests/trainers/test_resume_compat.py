@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tearless.config import load_config, to_dict
-from tearless.run.resume_compat import ResumeMismatch, apply_config, check_resume, config_differences
+from tearless.config.resume_compat import ResumeMismatch, apply_config, check_resume, config_differences
 
 
 def saved(*overrides: str) -> dict:

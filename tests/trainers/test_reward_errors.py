@@ -8,8 +8,8 @@ import pytest
 from tearless import train
 from tearless.rewards import RewardError, RewardManager
 from tearless.rewards.pool import with_source
+from tearless.run.tracking import read_metrics
 from tearless.trainers.reward_errors import RewardErrors
-from tearless.trainers.tracking import read_metrics
 from tearless.workers.scoring import distinct_errors
 
 

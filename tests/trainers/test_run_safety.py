@@ -20,10 +20,10 @@ import torch
 
 from tearless.cli import main as cli
 from tearless.config import load_config
-from tearless.run.resume_compat import ResumeMismatch
+from tearless.config.resume_compat import ResumeMismatch
+from tearless.run.tracking import read_metrics
 from tearless.trainers import runlock
 from tearless.trainers.rl import RLTrainer
-from tearless.trainers.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 QUICK = ["trainer.val_before_train=false", "data.val_max_samples=4", "trainer.save_freq=1"]

@@ -14,9 +14,9 @@ from tearless.cli import main
 from tearless.config import load_config
 from tearless.config.sft import SFTConfig
 from tearless.data.sft import SFTDataset
+from tearless.run.tracking import read_metrics
 from tearless.tasks.bootstrap import TaskSpec
 from tearless.trainers.sft import SFTTrainer, collate_fn, sft_backward, sft_loss
-from tearless.trainers.tracking import read_metrics
 from tearless.trainers.warmup import prepare_task
 from tests.tolerances import gradient_terms, logprob_tol, sum_tol
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tearless import train
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 
 
 @pytest.fixture(scope="module")

