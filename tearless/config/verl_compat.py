@@ -452,7 +452,7 @@ RULES: list[Rule] = [
                 ({},),
                 "a copy of the model directory",
             ),
-            ("external_lib", "no extra modules are imported", ANY, ""),
+            ("external_lib", "every process imports actor_rollout_ref.model.external_lib's modules", ANY, ""),
             ("trust_remote_code", "models load without remote code", ANY, ""),
             ("use_shm", "models are read from local directories", ANY, ""),
             (
@@ -491,7 +491,12 @@ RULES: list[Rule] = [
                 ANY,
                 "",
             ),
-            ("model.external_lib", "no extra modules are imported", ANY, ""),
+            (
+                "model.external_lib",
+                "every process imports actor_rollout_ref.model.external_lib's modules",
+                ANY,
+                "",
+            ),
             (
                 "model.trust_remote_code",
                 "models load without remote code",

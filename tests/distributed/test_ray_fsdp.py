@@ -457,3 +457,19 @@ def test_a_worker_that_does_not_answer_in_time_is_named_and_stopped(ray_session,
     with pytest.raises(WorkerError, match=r"ref.*(no answer to start|no room).*0\.05"):
         Pool(spec, 1, name="ref", nodes=1, timeout_s=0.05)
     assert time.monotonic() - started < 10
+
+
+# ------------------------------------------------------------------------------------------- user modules
+def test_a_user_registered_loss_reaches_the_ray_ranks(ray_session, overrides, tmp_path):
+    """The policy loss is looked up on the rank that updates (another process): it knows the user's
+    ``user_vanilla`` only because it imported ``external_lib`` itself, and then it updates as vanilla."""
+    user = (
+        "actor_rollout_ref.model.external_lib=config.user_registry",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=user_vanilla",
+    )
+    runs = {}
+    for name, extra in (("vanilla", ()), ("user", user)):
+        train(None, common(overrides, tmp_path / name, steps(1), *workers(1), *extra), log=lambda _: None)
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")[-1]
+    for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
+        assert runs["user"][key] == runs["vanilla"][key], key
