@@ -29,7 +29,7 @@ from tearless.rollout.agent import agent_metrics
 from tearless.rollout.hf import RolloutOutput, concat_rollouts
 from tearless.workers.actor import policy_update
 from tearless.workers.critic import critic_settings, update_settings
-from tearless.workers.rank import Rank
+from tearless.workers.rank import Rank, RankMethod
 from tearless.workers.schedule import balanced_partition, count_micro_batches, row_tokens, scheduled_update
 from tearless.workers.scoring import reward_metrics
 from tearless.workers.spec import RankSpec
@@ -76,8 +76,9 @@ class WorkerGroup:
         """The number of ranks in ``pool`` (a role, or ``rollout``)."""
         raise NotImplementedError
 
-    def _call(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
-        """Call ``method`` on every rank of ``pool`` with its own arguments; results in rank order."""
+    def _call(self, pool: str, method: RankMethod, per_rank: Sequence[tuple], what: str) -> list[Any]:
+        """Call ``method`` (a :class:`Rank` method, e.g. ``Rank.update``) on every rank of ``pool`` with its
+        own arguments; results in rank order."""
         raise NotImplementedError
 
     def trained_pools(self) -> list[str]:
@@ -87,7 +88,7 @@ class WorkerGroup:
     def close(self) -> None:
         raise NotImplementedError
 
-    def _submit(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> Any:
+    def _submit(self, pool: str, method: RankMethod, per_rank: Sequence[tuple], what: str) -> Any:
         """Start ``method`` on every rank of ``pool``; :meth:`_wait` returns the results. Ranks run
         their calls in submission order. Here the call runs at once; Ray returns pending calls."""
         return self._call(pool, method, per_rank, what)
@@ -139,7 +140,7 @@ class WorkerGroup:
         for piece in pieces:
             share_keys = None if keys is None else [keys[i] for i in piece]
             args.append(([prompts[i] for i in piece], n, share_keys, max_new_tokens, sampling, version))
-        return prompts, n, self._submit("rollout", "generate_share", args, "generation")
+        return prompts, n, self._submit("rollout", Rank.generate_share, args, "generation")
 
     def wait_generate(self, pending: tuple[list[dict], int, Any]) -> Rollout:
         """The scored rollout of a :meth:`submit_generate` call."""
@@ -207,7 +208,7 @@ class WorkerGroup:
         size = (arr.rollout if role == "actor" else arr.ref).log_prob_micro_batch_size_per_gpu
         parts, num_micro = self._split(td, size, self.world_of(role))
         args = [(role, td[p or [0]], num_micro, with_entropy) for p in parts]
-        results = self._call(role, "compute_log_prob", args, f"{role} log-probs")
+        results = self._call(role, Rank.compute_log_prob, args, f"{role} log-probs")
         log_prob = self._gather(td, parts, [r[0] for r in results])
         entropy = self._gather(td, parts, [r[1] for r in results]) if with_entropy else None
         return log_prob, entropy
@@ -218,14 +219,14 @@ class WorkerGroup:
             td, self.cfg.critic.forward_micro_batch_size_per_gpu, self.world_of("critic")
         )
         args = [(td[p or [0]], num_micro) for p in parts]
-        results = self._call("critic", "compute_values", args, "critic values")
+        results = self._call("critic", Rank.compute_values, args, "critic values")
         return self._gather(td, parts, results)
 
     # ------------------------------------------------------------------ updates
     def _run(self, role: str, detached: bool):
         def run(work):
             args = [(role, rows, steps, detached) for rows, steps in work]
-            return self._call(role, "update", args, f"{role} update")
+            return self._call(role, Rank.update, args, f"{role} update")
 
         return run
 
@@ -259,31 +260,31 @@ class WorkerGroup:
         trainer's state file."""
         state: dict[str, Any] = {}
         for pool in self.trained_pools():
-            state.update(self._call(pool, "save", [(directory,)] * self.world_of(pool), "checkpoint")[0])
+            state.update(self._call(pool, Rank.save, [(directory,)] * self.world_of(pool), "checkpoint")[0])
         return state
 
     def load(self, directory: str, state: dict[str, Any]) -> None:
         """Restore optimizer state and schedules saved by any placement."""
         for pool in self.trained_pools():
-            self._call(pool, "load", [(directory, state)] * self.world_of(pool), "resume")
+            self._call(pool, Rank.load, [(directory, state)] * self.world_of(pool), "resume")
 
     def probe_sync(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The sync probe (:mod:`tearless.rollout.sync_probe`): the actor's log-probs of ``ids[1:]``
         and each generating rank's engine's (ranks whose engine is the trained model give none)."""
-        policy = self._call("actor", "probe_policy", [(ids,)] * self.world_of("actor"), "sync probe")[0]
-        engines = self._call("rollout", "probe_engine", [(ids,)] * self.world_of("rollout"), "sync probe")
+        policy = self._call("actor", Rank.probe_policy, [(ids,)] * self.world_of("actor"), "sync probe")[0]
+        engines = self._call("rollout", Rank.probe_engine, [(ids,)] * self.world_of("rollout"), "sync probe")
         return policy, [e for e in engines if e is not None]
 
     def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Stop the run (:class:`tearless.run.guards.WeightsNotFinite`) if an update left a trained
         model's weights, or the actor's logits on ``probe``, non-finite."""
         for pool in self.trained_pools():
-            self._call(pool, "check_weights", [(step, probe)] * self.world_of(pool), "weight check")
+            self._call(pool, Rank.check_weights, [(step, probe)] * self.world_of(pool), "weight check")
 
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (non-finite loss or gradient norm), all trained roles."""
         return sum(
-            self._call(pool, "skipped_steps", [()] * self.world_of(pool), "skipped-step count")[0]
+            self._call(pool, Rank.skipped_steps, [()] * self.world_of(pool), "skipped-step count")[0]
             for pool in self.trained_pools()
         )
 
@@ -306,8 +307,8 @@ class LocalWorkers(WorkerGroup):
     def world_of(self, pool: str) -> int:
         return 1
 
-    def _call(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
-        return [getattr(self.rank, method)(*per_rank[0])]
+    def _call(self, pool: str, method: RankMethod, per_rank: Sequence[tuple], what: str) -> list[Any]:
+        return [method(self.rank, *per_rank[0])]
 
     def trained_pools(self) -> list[str]:
         return ["actor"]

@@ -28,7 +28,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from itertools import chain
 from pathlib import Path
@@ -71,6 +71,9 @@ from tearless.workers.spec import RankSpec, resolve_device
 
 ROLES = ("actor", "ref", "critic")
 TRAINED = ("actor", "critic")
+# A call to a rank is one of Rank's methods, passed as ``Rank.update`` (never its name as a string): a
+# worker group calls it on its rank in this process, or by name on a Ray actor (ray_group.Pool.submit).
+RankMethod = Callable[..., Any]
 
 
 class Rank:

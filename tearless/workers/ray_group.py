@@ -34,7 +34,7 @@ from typing import Any
 from tearless.config import Config, to_dict
 from tearless.workers import reaper
 from tearless.workers.group import WorkerGroup
-from tearless.workers.rank import Rank
+from tearless.workers.rank import Rank, RankMethod
 from tearless.workers.spec import RankSpec
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -121,7 +121,7 @@ class Pool:
             options = remote.options(num_cpus=cpus, num_gpus=1 if gpu else 0, scheduling_strategy=strategy)
             # Independent ranks (separate rollout workers) are each rank 0 of their own world of 1.
             self.handles.append(options.remote(0 if independent else r, 1 if independent else world, spec))
-        self.workers = self.call("info", [()] * world, "start")
+        self.workers = self.call(Rank.info, [()] * world, "start")
         for r, w in enumerate(self.workers):
             w["rank"] = r
 
@@ -131,18 +131,19 @@ class Pool:
         return f"{self.name} worker rank {rank} ({where})"
 
     def submit(
-        self, method: str, per_rank: Sequence[tuple], ranks: Sequence[int] | None = None
+        self, method: RankMethod, per_rank: Sequence[tuple], ranks: Sequence[int] | None = None
     ) -> list[tuple[Any, Pool, int]]:
-        """Start ``method`` on the given ranks (all by default), each with its own arguments; the
-        pending calls, for :func:`wait_all`."""
+        """Start ``method`` (a :class:`Rank` method) on the given ranks (all by default), each with its
+        own arguments; the pending calls, for :func:`wait_all`."""
         ranks = range(self.world) if ranks is None else ranks
+        # The one place a method becomes its name: a Ray actor handle is called as handle.<name>.remote.
         return [
-            (getattr(self.handles[r], method).remote(*args), self, r)
+            (getattr(self.handles[r], method.__name__).remote(*args), self, r)
             for r, args in zip(ranks, per_rank, strict=True)
         ]
 
-    def call(self, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
-        return wait_all(self.submit(method, per_rank), what or method, self.timeout_s)
+    def call(self, method: RankMethod, per_rank: Sequence[tuple], what: str) -> list[Any]:
+        return wait_all(self.submit(method, per_rank), what or method.__name__, self.timeout_s)
 
     def close(self) -> None:
         import ray
@@ -267,32 +268,32 @@ class RayWorkers(WorkerGroup):
     def _setup(self, split: int) -> None:
         for name, pool in self.pools.items():
             if name == "rollout":
-                pool.call("setup", [()] * pool.world, "setup (rollout engine and rewards)")
+                pool.call(Rank.setup, [()] * pool.world, "setup (rollout engine and rewards)")
                 continue
-            (address,) = wait_all(pool.submit("address", [()], ranks=[0]), "rendezvous", pool.timeout_s)
-            pool.call("setup", [(address,)] * pool.world, "setup (process group and models)")
+            (address,) = wait_all(pool.submit(Rank.address, [()], ranks=[0]), "rendezvous", pool.timeout_s)
+            pool.call(Rank.setup, [(address,)] * pool.world, "setup (process group and models)")
         actor = self.pools[self.pool_of["actor"]]
         if split:
             (address,) = wait_all(
-                actor.submit("address", [()], ranks=[0]), "weight-sync rendezvous", actor.timeout_s
+                actor.submit(Rank.address, [()], ranks=[0]), "weight-sync rendezvous", actor.timeout_s
             )
             sync_world = 1 + split
-            pending = actor.submit("open_weight_sync", [(address, 0, sync_world)], ranks=[0])
+            pending = actor.submit(Rank.open_weight_sync, [(address, 0, sync_world)], ranks=[0])
             pending += self.pools["rollout"].submit(
-                "open_weight_sync", [(address, 1 + i, sync_world) for i in range(split)]
+                Rank.open_weight_sync, [(address, 1 + i, sync_world) for i in range(split)]
             )
             wait_all(pending, "weight-sync setup", actor.timeout_s)
             self.sync_weights()
         elif self.cfg.actor_rollout_ref.rollout.name != "hf":
-            actor.call("sync_engine", [()] * actor.world, "first weight load into the engines")
+            actor.call(Rank.sync_engine, [()] * actor.world, "first weight load into the engines")
 
     def world_of(self, pool: str) -> int:
         return self.pools[self.pool_of[pool]].world
 
-    def _call(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> list[Any]:
+    def _call(self, pool: str, method: RankMethod, per_rank: Sequence[tuple], what: str) -> list[Any]:
         return self.pools[self.pool_of[pool]].call(method, per_rank, what)
 
-    def _submit(self, pool: str, method: str, per_rank: Sequence[tuple], what: str) -> Any:
+    def _submit(self, pool: str, method: RankMethod, per_rank: Sequence[tuple], what: str) -> Any:
         return self.pools[self.pool_of[pool]].submit(method, per_rank)
 
     def _wait(self, pending: Any, what: str) -> list[Any]:
@@ -320,8 +321,8 @@ class RayWorkers(WorkerGroup):
         actor = self.pools[self.pool_of["actor"]]
         rollout = self.pools["rollout"]
         self.broadcasts += 1
-        pending = actor.submit("send_weights", [(version,)] * actor.world)
-        receives = rollout.submit("receive_weights", [(self.broadcasts,)] * rollout.world)
+        pending = actor.submit(Rank.send_weights, [(version,)] * actor.world)
+        receives = rollout.submit(Rank.receive_weights, [(self.broadcasts,)] * rollout.world)
         if self.cfg.async_training.partial_rollout:
             self.receives += receives
             wait_all(pending, "weight broadcast", actor.timeout_s)
@@ -347,7 +348,9 @@ class RayWorkers(WorkerGroup):
         for pool in self.pools.values():
             try:
                 if pool.handles:
-                    wait_all(pool.submit("close", [()] * pool.world), "close", min(pool.timeout_s, _CLOSE_S))
+                    wait_all(
+                        pool.submit(Rank.close, [()] * pool.world), "close", min(pool.timeout_s, _CLOSE_S)
+                    )
             except WorkerError:
                 pass  # the pool was stopped by the failure or the bound; nothing left to close
             pool.close()

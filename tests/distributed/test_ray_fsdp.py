@@ -37,6 +37,7 @@ from tearless.run.tracking import read_metrics
 from tearless.tasks.arithmetic import compute_score as arithmetic_score
 from tearless.trainers.records import read_records
 from tearless.workers import ray_group
+from tearless.workers.rank import Rank
 from tearless.workers.ray_group import WorkerError
 from tests.tolerances import eps, gradient_terms, loss_rel, sum_tol
 
@@ -430,11 +431,11 @@ def test_a_worker_exception_reaches_the_driver_with_its_traceback(ray_session, t
         cfg, roles=("ref",), rollout=False, model_path=str(task.model_dir), total_steps=1, device="cpu"
     )
     pool = Pool(spec, 1, name="ref", nodes=1, timeout_s=TIMEOUT_S)
-    pool.call("setup", [(None,)], "setup")
+    pool.call(Rank.setup, [(None,)], "setup")
     keys = ("prompt_ids", "prompt_mask", "response_ids", "response_mask")
     td = TensorDict({k: torch.ones(1, 2, dtype=torch.long) for k in keys}, batch_size=[1])
     with pytest.raises(WorkerError) as info:
-        pool.call("compute_log_prob", [("actor", td, 1)], "actor log-probs")  # this pool holds no actor
+        pool.call(Rank.compute_log_prob, [("actor", td, 1)], "actor log-probs")  # this pool holds no actor
     message = str(info.value)
     assert "ref worker rank 0 (pid" in message and "actor log-probs" in message
     # the remote traceback: the failing line of the worker's code and the exception
