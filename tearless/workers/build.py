@@ -25,6 +25,7 @@ from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
+from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
 from tearless.rollout.hf import HFRollout
@@ -187,7 +188,6 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
     eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
     if arr.rollout.name == "vllm":
         # vLLM is an optional dependency, imported only when the run asks for it.
-        from tearless.models.weights import hf_weights
         from tearless.rollout.vllm import VLLMRollout
 
         dtype = rollout_dtype(cfg, spec.device)
