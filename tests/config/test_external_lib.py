@@ -17,6 +17,7 @@ from tearless.workers.spec import RankSpec
 
 MODULE = "config.user_registry"
 LIB = f"actor_rollout_ref.model.external_lib={MODULE}"
+SKIP = "actor_rollout_ref.actor.skip_zero_adv_rows"
 USER = ("algorithm.adv_estimator=user_grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=user_vanilla")
 
 
@@ -75,13 +76,13 @@ def test_a_rank_imports_the_modules_before_it_builds_its_roles(fresh, overrides,
 
 @pytest.mark.slow
 def test_user_registered_names_train_exactly_as_the_builtins_they_copy(fresh, overrides, tmp_path):
+    # skip_zero_adv_rows is keyed by the built-in names it knows to be linear in the advantage
+    # (workers/actor.py LINEAR_IN_ADVANTAGE): off in both runs, so both take the same path.
+    same = ("trainer.total_training_steps=2", "trainer.val_before_train=false", f"{SKIP}=false")
     runs = {}
     for name, extra in (("builtin", ()), ("user", (*USER, LIB))):
         run_dir = tmp_path / name
-        train(
-            None,
-            overrides(run_dir, "trainer.total_training_steps=2", "trainer.val_before_train=false", *extra),
-        )
+        train(None, overrides(run_dir, *same, *extra))
         runs[name] = [
             {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
             for r in read_metrics(run_dir / "metrics.jsonl")

@@ -60,7 +60,8 @@ def test_ppo_trainer_defaults_of_veRL_only_keys_load_with_notices_and_aliases():
     extra = [x for x in _lines("ppo_trainer_defaults") if x.split("=", 1)[0] not in keys]
     notes: list[str] = []
     cfg = load_config(None, [*extra, "actor_rollout_ref.actor.optim.clip_grad=0.5"], notify=notes.append)
-    assert len(extra) == 402  # lora_adapter_path (issue 32) and enforce_eager (issue 31) are tearless keys
+    # lora_adapter_path (issue 32), enforce_eager (31) and model.external_lib (34) are tearless keys
+    assert len(extra) == 401
     # Aliases move the value (clip_grad → grad_clip, fsdp_config.dtype → param_dtype) without a note;
     # every other key gets exactly one note.
     aliased = [x for x in extra if rule_for(x.split("=", 1)[0]).alias is not None]
