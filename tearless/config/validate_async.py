@@ -75,7 +75,14 @@ def _validate_async(cfg: Config) -> None:
         )
     if not at.enable:
         if at.partial_rollout:
-            _fail(f"{key}.partial_rollout", "needs async_training.enable=true", "Enable it, or remove it.")
+            # Without async_training the loop is synchronous (k = 0): no generation is in flight while
+            # the weights change, so the key could never act.
+            _fail(
+                f"{key}.partial_rollout",
+                "needs async_training.enable=true (the synchronous loop has no generation in flight "
+                "during a weight update to continue)",
+                "Enable it, or remove it.",
+            )
         return
     if at.partial_rollout:
         rollout = cfg.actor_rollout_ref.rollout
@@ -87,20 +94,6 @@ def _validate_async(cfg: Config) -> None:
                 "Set async_training.partial_rollout=false, or "
                 "actor_rollout_ref.rollout.multi_turn.enable=false.",
             )
-    if cfg.algorithm.filter_groups.enable:
-        _fail(
-            "algorithm.filter_groups.enable",
-            "DAPO's dynamic sampling draws a variable number of generation rounds per step, which the "
-            "asynchronous pipeline (one generation batch per step, submitted ahead) does not schedule yet",
-            "Set async_training.enable=false, or algorithm.filter_groups.enable=false.",
-        )
-    if cfg.algorithm.adv_estimator == "remax":
-        _fail(
-            "algorithm.adv_estimator",
-            "remax's greedy baseline is generated during the step with the rollout workers' weights, "
-            "which in the asynchronous loop are busy with (and hold the weights of) later batches",
-            "Use grpo or rloo with async_training.enable=true, or disable async_training.",
-        )
 
 
 def validate_offpolicy(cfg: Config) -> None:

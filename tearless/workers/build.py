@@ -23,6 +23,7 @@ from tearless.models.hub import local_model_path
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
+from tearless.rollout.engine import engine_capabilities
 from tearless.workers.spec import RankSpec
 
 
@@ -52,7 +53,8 @@ def hybrid_rollout_dtype(cfg: Config, device: str, *, warn: bool = True) -> torc
 
 def precision_mismatch(cfg: Config, device: str) -> bool:
     """Whether the hybrid built-in engine computes in another dtype than the actor's log-prob forward."""
-    if cfg.actor_rollout_ref.rollout.name != "hf" or cfg.actor_rollout_ref.rollout.nnodes > 0:
+    rollout = cfg.actor_rollout_ref.rollout
+    if engine_capabilities(rollout.name).holds_own_weights or rollout.nnodes > 0:
         return False
     actor = compute_dtype(
         cfg.actor_rollout_ref.actor.fsdp_config.param_dtype, device, role_key("actor"), warn=False
