@@ -50,14 +50,6 @@ def num_groups(index: GroupIndex) -> int:
     return int(group_ids(index, len(index)).max()) + 1 if len(index) else 0
 
 
-def group_firsts(index: GroupIndex) -> Tensor:
-    """Row of the first member of each group, in the groups' first-appearance order, ``(G,)``."""
-    ids = group_ids(index, len(index))
-    rows = torch.arange(len(ids))
-    first = torch.full((int(ids.max()) + 1 if len(ids) else 0,), len(ids), dtype=torch.long)
-    return first.scatter_reduce_(0, ids, rows, reduce="amin")
-
-
 def first_groups(index: GroupIndex, keep: Tensor, count: int) -> Tensor:
     """Rows (ascending) of the first ``count`` groups, in first-appearance order, among the rows
     where ``keep`` (B,) is True: how dynamic sampling fills a batch up to its number of groups."""

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
+from tearless.algos.groups import group_ids
 from tearless.rollout.engine import RolloutOutput, concat_rollouts, select_rows
 
 ROW = {"per_row": True}
@@ -42,6 +44,25 @@ class Rollout:
     def uids(self) -> list[Any]:
         """Each response's prompt group, given when its prompt was drawn."""
         return [it["uid"] for it in self.items]
+
+    def tensors(self) -> TensorDict:
+        """The rows' tensors as the ranks take them (log-prob forwards, values, updates), each row
+        carrying its prompt group as a small integer (``uid_index``, first-appearance order)."""
+        out = self.out
+        td = TensorDict(
+            {
+                "prompt_ids": out.prompt_ids,
+                "prompt_mask": out.prompt_mask,
+                "response_ids": out.response_ids,
+                "response_mask": out.response_mask,
+                "response_attention_mask": out.response_attention_mask,
+                "uid_index": group_ids(self.uids, len(self.items)),
+            },
+            batch_size=[len(self.items)],
+        )
+        if out.entropy is not None:
+            td["rollout_entropy"] = out.entropy
+        return td
 
     def select(self, keep: torch.Tensor) -> Rollout:
         """The rows ``keep`` (an index tensor), in that order; the batch fields unchanged."""

@@ -28,7 +28,7 @@ from tensordict import TensorDict
 
 from tearless import faults
 from tearless.algos import compute_advantage, make_kl_controller
-from tearless.algos.groups import group_ids, num_groups
+from tearless.algos.groups import num_groups
 from tearless.config import Config, to_dict
 from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
@@ -350,7 +350,7 @@ class RLTrainer:
         with timer("step"):
             rollout, metrics = self.source.batch(step, timer)
             uids = rollout.uids
-            td = self.batch(rollout)
+            td = rollout.tensors()
             self.forward_passes(td, rollout, metrics, timer)
             with timer("adv"):
                 rewards = self.token_rewards(td, rollout, metrics)
@@ -411,24 +411,6 @@ class RLTrainer:
         if not diff <= bound:  # a NaN difference stops the run too
             raise TrainingStopped(mismatch_message(step, diff, bound, self.sync_probe_dtype))
         return diff
-
-    def batch(self, rollout: Rollout) -> TensorDict:
-        """The step's tensors, one row per response, each carrying its prompt group."""
-        out = rollout.out
-        td = TensorDict(
-            {
-                "prompt_ids": out.prompt_ids,
-                "prompt_mask": out.prompt_mask,
-                "response_ids": out.response_ids,
-                "response_mask": out.response_mask,
-                "response_attention_mask": out.response_attention_mask,
-                "uid_index": group_ids(rollout.uids, len(rollout.items)),
-            },
-            batch_size=[len(rollout.items)],
-        )
-        if out.entropy is not None:
-            td["rollout_entropy"] = out.entropy
-        return td
 
     def forward_passes(self, td: TensorDict, rollout: Rollout, metrics: dict, timer: Timer) -> None:
         """Old log-probs (and the rollout-vs-trainer mismatch), reference log-probs and values."""

@@ -105,7 +105,7 @@ def test_an_injected_stale_batch_is_weighted_and_dropped_as_computed_by_hand(ove
         queued = trainer.source.queue[0]
         assert queued.step == 3 and queued.version == 1  # submitted at step 2, before its update
         rollout = trainer.workers.wait_generate(queued.pending)
-        proximal, _ = trainer.workers.compute_log_prob("actor", trainer.batch(rollout))
+        proximal, _ = trainer.workers.compute_log_prob("actor", rollout.tensors())
         # δ per group: ln 3 (ratio 3, truncated to 2), −ln 4 (ratio ¼, raised to ½), 0 (ratio 1), 0
         shift = torch.tensor([math.log(3), -math.log(4), 0.0, 0.0]).repeat_interleave(4)[:, None]
         rollout.out.log_probs = torch.where(rollout.out.response_mask.bool(), proximal - shift, 0.0)
