@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tearless.config.schema import Config
+from tearless.rollout.engine import ENGINES, engine_capabilities
 
 ESTIMATORS = (
     "gae",
@@ -182,7 +183,7 @@ def validate(cfg: Config) -> None:
             "Set a temperature or do_sample=false for greedy.",
         )
     _positive("actor_rollout_ref.rollout.val_kwargs.n", val.n)
-    _one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
+    _one_of("actor_rollout_ref.rollout.name", rollout.name, tuple(ENGINES))
     _one_of(
         "actor_rollout_ref.actor.optim.lr_scheduler_type",
         actor.optim.lr_scheduler_type,
@@ -509,6 +510,12 @@ def _validate_multi_turn(cfg: Config) -> None:
     _positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
     if not mt.enable:
         return
+    if not engine_capabilities(cfg.actor_rollout_ref.rollout.name).multi_turn:
+        _fail(
+            f"{key}.enable",
+            f"the {cfg.actor_rollout_ref.rollout.name} engine cannot drive the agent loop",
+            "Use an engine that can (hf, vllm), or set it to false.",
+        )
 
     if mt.tool_config_path is None and cfg.task.name != "multihop":
         _fail(

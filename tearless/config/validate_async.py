@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tearless.config.schema import Config
 from tearless.config.validate import _fail, _one_of
+from tearless.rollout.engine import ENGINES, engine_capabilities
 
 RC = "algorithm.rollout_correction"
 
@@ -86,6 +87,13 @@ def _validate_async(cfg: Config) -> None:
         return
     if at.partial_rollout:
         rollout = cfg.actor_rollout_ref.rollout
+        # (an unknown engine name is refused by name in validate.py)
+        if rollout.name in ENGINES and not engine_capabilities(rollout.name).resumes_partial:
+            _fail(
+                f"{key}.partial_rollout",
+                f"the {rollout.name} engine cannot take new weights between two tokens of a response",
+                "Set async_training.partial_rollout=false, or use an engine that can (hf, vllm).",
+            )
         if rollout.multi_turn.enable:
             _fail(
                 f"{key}.partial_rollout",
