@@ -179,9 +179,9 @@ class RLTrainer:
             self._load_state(resume_dir)
         # Every load into an engine holding its own weights is checked against the trainer
         # (tearless.rollout.sync_probe).
-        self.engine = engine_capabilities(arr.rollout.name)
+        self.capabilities = engine_capabilities(arr.rollout.name)  # of the rollout engine
         self.sync_probe = (
-            probe_ids(self.train_set[0], self.tokenizer) if self.engine.holds_own_weights else None
+            probe_ids(self.train_set[0], self.tokenizer) if self.capabilities.holds_own_weights else None
         )
         self.sync_probe_dtype = rollout_dtype(cfg, self.workers.device)
         # The one source of batches: synchronous (k = 0), or generating up to k steps ahead
@@ -423,7 +423,7 @@ class RLTrainer:
             not on_policy(arr.actor, num_groups(td["uid_index"]))
             or alg.use_kl_in_reward
             or any(v is not None for v in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
-            or not self.engine.exact_log_probs
+            or not self.capabilities.exact_log_probs
             or self.precision_mismatch
         ):
             with timer("old_log_prob"):

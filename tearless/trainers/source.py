@@ -206,10 +206,6 @@ class BatchSource:
         self.queue: deque[Call] = deque()
         self.submitted = 0  # the last step whose first generation call was submitted
 
-    def in_flight(self) -> int:
-        """Generation calls submitted and not trained on yet (their prompts are not in a checkpoint)."""
-        return len(self.queue)
-
     def resume_position(self) -> int:
         """The loader position a checkpoint written now resumes from: the first batch drawn for a call
         not trained on yet, or the draw's position when none is in flight."""
