@@ -224,6 +224,7 @@ def test_dynamic_sampling_and_remax_run_one_step_off(overrides, tmp_path):
         "algorithm.filter_groups.max_num_gen_batches=4",
         "trainer.total_training_steps=3",
         "trainer.num_rollout_samples=-1",
+        "trainer.save_freq=2",
         *DAPO_REMAX,
         *FAST,
     )
@@ -242,3 +243,7 @@ def test_dynamic_sampling_and_remax_run_one_step_off(overrides, tmp_path):
         assert len(baselines) == 1 and baselines <= {0.0, 1.0}
     per_step = [sum(step == s for step, _ in groups) for s in (1, 2, 3)]
     assert all(1 <= k <= 8 for k in per_step)
+    # The loader order: step 1's first batch (0), step 2's (1, submitted ahead), step 1's further
+    # rounds, then step 3's first batch, in flight at the checkpoint of step 2: a resume starts there.
+    state = torch.load(tmp_path / "global_step_2" / "trainer_state.pt", weights_only=True)
+    assert state["batches_consumed"] == metrics[0]["train/num_gen_batches"] + 1
