@@ -144,7 +144,8 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
         adv = torch.randn(mask.shape[0], 1, generator=gen).expand_as(mask) * mask
         td = TensorDict(
             {"prompt_ids": out.prompt_ids, "prompt_mask": out.prompt_mask, "response_ids": out.response_ids,
-             "response_mask": mask, "advantages": adv},
+             "response_mask": mask, "advantages": adv,
+             "uid_index": torch.arange(len(prompts)).repeat_interleave(case.n)},  # a prompt's n rows adjacent
             batch_size=[mask.shape[0]],
         )  # fmt: skip
         tokens = td["prompt_ids"].numel() + td["response_ids"].numel()

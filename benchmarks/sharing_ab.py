@@ -93,6 +93,7 @@ def main() -> None:
             "response_ids": out.response_ids,
             "response_mask": mask,
             "advantages": advantages,
+            "uid_index": torch.arange(len(prompts)).repeat_interleave(case.n),  # a prompt's n rows adjacent
         },
         batch_size=[len(mask)],
     )

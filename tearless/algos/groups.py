@@ -43,3 +43,26 @@ def group_reduce(values: Tensor, ids: Tensor, reduce: Literal["sum", "amax", "am
 def group_sizes(ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
     """Number of rows of each row's own group, ``(B,)``."""
     return torch.bincount(ids).to(dtype)[ids]
+
+
+def num_groups(index: GroupIndex) -> int:
+    """The number of distinct group ids in ``index``."""
+    return int(group_ids(index, len(index)).max()) + 1 if len(index) else 0
+
+
+def first_groups(index: GroupIndex, keep: Tensor, count: int) -> Tensor:
+    """Rows (ascending) of the first ``count`` groups, in first-appearance order, among the rows
+    where ``keep`` (B,) is True: how dynamic sampling fills a batch up to its number of groups."""
+    kept = keep.nonzero().squeeze(-1)
+    if kept.numel() == 0:
+        return kept
+    ids = group_ids([index[i] for i in kept.tolist()], kept.numel())
+    return kept[ids < count]
+
+
+def groups_within(values: Tensor, index: GroupIndex, bound: int) -> Tensor:
+    """Rows (ascending) of the groups whose every member has ``values`` ≤ ``bound``: a prompt group
+    is kept or dropped whole (``values`` (B,), e.g. each sample's staleness)."""
+    ids = group_ids(index, values.numel())
+    worst = group_reduce(values, ids, "amax")
+    return (worst[ids] <= bound).nonzero().squeeze(-1)

@@ -19,6 +19,7 @@ from tearless.config.validate_async import validate_offpolicy
 from tearless.config.validate_loss import validate_loss
 from tearless.models.hub import local_model_path
 from tearless.rewards.managers import reward_config_problems
+from tearless.rollout.engine import ENGINES, engine_capabilities
 from tearless.run.tracking import LOGGERS
 from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
 
@@ -156,7 +157,7 @@ def validate(cfg: Config) -> None:
             "Set a temperature or do_sample=false for greedy.",
         )
     positive("actor_rollout_ref.rollout.val_kwargs.n", val.n)
-    one_of("actor_rollout_ref.rollout.name", rollout.name, ("hf", "vllm"))
+    one_of("actor_rollout_ref.rollout.name", rollout.name, tuple(ENGINES))
     one_of(
         "actor_rollout_ref.actor.optim.lr_scheduler_type",
         actor.optim.lr_scheduler_type,
@@ -477,6 +478,12 @@ def _validate_multi_turn(cfg: Config) -> None:
     positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
     if not mt.enable:
         return
+    if not engine_capabilities(cfg.actor_rollout_ref.rollout.name).multi_turn:
+        fail(
+            f"{key}.enable",
+            f"the {cfg.actor_rollout_ref.rollout.name} engine cannot drive the agent loop",
+            "Use an engine that can (hf, vllm), or set it to false.",
+        )
 
     if mt.tool_config_path is None and cfg.task.name != "multihop":
         fail(

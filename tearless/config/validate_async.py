@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tearless.config.errors import fail, one_of
 from tearless.config.schema import Config
+from tearless.rollout.engine import ENGINES, engine_capabilities
 
 RC = "algorithm.rollout_correction"
 
@@ -75,10 +76,24 @@ def _validate_async(cfg: Config) -> None:
         )
     if not at.enable:
         if at.partial_rollout:
-            fail(f"{key}.partial_rollout", "needs async_training.enable=true", "Enable it, or remove it.")
+            # Without async_training the loop is synchronous (k = 0): no generation is in flight while
+            # the weights change, so the key could never act.
+            fail(
+                f"{key}.partial_rollout",
+                "needs async_training.enable=true (the synchronous loop has no generation in flight "
+                "during a weight update to continue)",
+                "Enable it, or remove it.",
+            )
         return
     if at.partial_rollout:
         rollout = cfg.actor_rollout_ref.rollout
+        # (an unknown engine name is refused by name in validate.py)
+        if rollout.name in ENGINES and not engine_capabilities(rollout.name).resumes_partial:
+            fail(
+                f"{key}.partial_rollout",
+                f"the {rollout.name} engine cannot take new weights between two tokens of a response",
+                "Set async_training.partial_rollout=false, or use an engine that can (hf, vllm).",
+            )
         if rollout.multi_turn.enable:
             fail(
                 f"{key}.partial_rollout",
@@ -87,20 +102,6 @@ def _validate_async(cfg: Config) -> None:
                 "Set async_training.partial_rollout=false, or "
                 "actor_rollout_ref.rollout.multi_turn.enable=false.",
             )
-    if cfg.algorithm.filter_groups.enable:
-        fail(
-            "algorithm.filter_groups.enable",
-            "DAPO's dynamic sampling draws a variable number of generation rounds per step, which the "
-            "asynchronous pipeline (one generation batch per step, submitted ahead) does not schedule yet",
-            "Set async_training.enable=false, or algorithm.filter_groups.enable=false.",
-        )
-    if cfg.algorithm.adv_estimator == "remax":
-        fail(
-            "algorithm.adv_estimator",
-            "remax's greedy baseline is generated during the step with the rollout workers' weights, "
-            "which in the asynchronous loop are busy with (and hold the weights of) later batches",
-            "Use grpo or rloo with async_training.enable=true, or disable async_training.",
-        )
 
 
 def validate_offpolicy(cfg: Config) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tearless.rollout.hf import HFRollout, RolloutOutput, left_pad
+from tearless.rollout.engine import RolloutEngine, RolloutOutput, left_pad
 from tearless.rollout.seeds import mix, sample_keys
 from tearless.tools import ToolCall, ToolLike, function_schema, run_calls
 from tearless.tools.base import first_string_parameter
@@ -247,10 +247,11 @@ class AgentRollout:
 
 
 class AgentLoop:
-    """Multi-turn generation over an :class:`HFRollout` engine (see the module docstring)."""
+    """Multi-turn generation over a rollout engine whose capabilities include ``multi_turn`` (see the
+    module docstring)."""
 
     def __init__(
-        self, engine: HFRollout, tokenizer: Any, tools: dict[str, ToolLike], settings: AgentSettings
+        self, engine: RolloutEngine, tokenizer: Any, tools: dict[str, ToolLike], settings: AgentSettings
     ) -> None:
         if settings.format not in FORMATS:
             raise ValueError(f"multi_turn.format={settings.format!r} is not one of {', '.join(FORMATS)}")

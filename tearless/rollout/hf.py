@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -19,60 +18,11 @@ from tearless.models.loading import compute_device
 from tearless.models.packing import use_tearless_attention
 from tearless.models.precision import autocast
 from tearless.rollout.decode_step import filter_logits, sample_step
+from tearless.rollout.engine import Capabilities, RolloutOutput, concat_rollouts, left_pad, select_rows
 from tearless.rollout.seeds import sample_keys, uniforms
 from tearless.rollout.static_decode import decode_static
 
 __all__ = ["HFRollout", "RolloutOutput", "concat_rollouts", "filter_logits", "left_pad", "select_rows"]
-
-
-@dataclass
-class RolloutOutput:
-    """Token tensors of one rollout, prompts left-padded and responses right-padded.
-
-    Shapes: ``prompt_ids``/``prompt_mask`` (B, P), ``response_ids``/``response_mask``/``log_probs``
-    (B, R) with B = number of prompts × n, rows of the same prompt adjacent (interleaved).
-    ``truncated`` (B,) is True where the response hit the length cap without an EOS.
-
-    ``response_mask`` is the loss mask: 1 on the tokens the model sampled. ``response_attention_mask``
-    is 1 on every real response token; it differs only in a multi-turn rollout
-    (:mod:`tearless.rollout.agent`), where tool output is context the model attends to (1) but did
-    not write (mask 0). It defaults to ``response_mask``.
-
-    ``entropy`` (B, R), when the engine provides it, is the entropy of the temperature-scaled,
-    unfiltered distribution each response token was drawn from (0 outside the mask): on-policy, the
-    actor's entropy of the same tokens.
-
-    ``token_versions`` (B, R), when the engine provides it, is the policy version each response token
-    was sampled with (0 outside the mask). Tokens of one response differ only in a partial rollout
-    (``HFRollout.generate``'s ``between_tokens``): a response interrupted by a weight update
-    continues under the new weights, and ``log_probs`` holds each token's behaviour log-prob.
-    """
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    log_probs: torch.Tensor
-    truncated: torch.Tensor
-    response_attention_mask: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
-    token_versions: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        if self.response_attention_mask is None:
-            self.response_attention_mask = self.response_mask
-
-
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack token lists into (B, P) ids and mask, padding on the left."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-    return ids, mask
 
 
 class HFRollout:
@@ -81,6 +31,15 @@ class HFRollout:
     Log-probs are those of the temperature-scaled, unfiltered distribution, which is what the actor
     recomputes for the PPO ratio (top-k/top-p only change which tokens can be drawn).
     """
+
+    # It samples from the model it is given (the trained one, hybrid), with the trainer's forward.
+    capabilities = Capabilities(
+        holds_own_weights=False,
+        exact_log_probs=True,
+        records_versions=True,
+        resumes_partial=True,
+        multi_turn=True,
+    )
 
     def __init__(
         self,
@@ -429,39 +388,3 @@ def _ends_with_stop(
         if len(stop) <= t + 1:
             hit |= (tokens[rows, t + 1 - len(stop) : t + 1] == stop).all(-1)
     return hit
-
-
-def select_rows(out: RolloutOutput, rows: torch.Tensor) -> RolloutOutput:
-    """The rollout restricted to ``rows`` (an index tensor), in that order."""
-    fields = (getattr(out, f) for f in RolloutOutput.__dataclass_fields__)
-    return RolloutOutput(*(None if t is None else t[rows] for t in fields))
-
-
-def concat_rollouts(outs: list[RolloutOutput], pad_token_id: int) -> RolloutOutput:
-    """Stack rollouts of different widths: prompts re-padded on the left, responses on the right."""
-    if len(outs) == 1:
-        return outs[0]
-    p = max(o.prompt_ids.shape[1] for o in outs)
-    r = max(o.response_ids.shape[1] for o in outs)
-
-    def left(t: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (p - t.shape[1], 0), value=value)
-
-    def right(t: torch.Tensor, value: float) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, r - t.shape[1]), value=value)
-
-    return RolloutOutput(
-        prompt_ids=torch.cat([left(o.prompt_ids, pad_token_id) for o in outs]),
-        prompt_mask=torch.cat([left(o.prompt_mask, 0) for o in outs]),
-        response_ids=torch.cat([right(o.response_ids, pad_token_id) for o in outs]),
-        response_mask=torch.cat([right(o.response_mask, 0) for o in outs]),
-        log_probs=torch.cat([right(o.log_probs, 0.0) for o in outs]),
-        truncated=torch.cat([o.truncated for o in outs]),
-        response_attention_mask=torch.cat([right(o.response_attention_mask, 0) for o in outs]),
-        entropy=None
-        if any(o.entropy is None for o in outs)
-        else torch.cat([right(o.entropy, 0.0) for o in outs]),
-        token_versions=None
-        if any(o.token_versions is None for o in outs)
-        else torch.cat([right(o.token_versions, 0) for o in outs]),
-    )

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from tearless.rollout.hf import RolloutOutput, left_pad
+from tearless.rollout.engine import Capabilities, RolloutOutput, left_pad
 from tearless.rollout.seeds import mix, sample_keys
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,16 @@ class VLLMRollout:
     call may hold in the KV cache (sizes the cache on CPU). ``distributed``: this process is one
     rank of a ``torch.distributed`` group of the trainer (external launcher, see the module doc).
     """
+
+    # Its own copy of the policy in vLLM's layout, sampled with vLLM's kernels: log-probs close to the
+    # trainer's, not equal, so π_old is always recomputed.
+    capabilities = Capabilities(
+        holds_own_weights=True,
+        exact_log_probs=False,
+        records_versions=True,
+        resumes_partial=True,
+        multi_turn=True,
+    )
 
     def __init__(
         self,

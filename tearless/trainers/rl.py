@@ -11,7 +11,7 @@ One step (``RLTrainer.train_step``), each part one call to the worker group
 
 Validation, metrics, rollout samples and checkpoints happen around it in ``fit``. With
 ``async_training.enable`` step 1 takes a batch generated ahead, up to ``max_staleness`` policy
-versions old (:mod:`tearless.trainers.async_loop`).
+versions old; both loops take their batches from one source (:mod:`tearless.trainers.source`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tensordict import TensorDict
 
 from tearless import faults
 from tearless.algos import compute_advantage, make_kl_controller
+from tearless.algos.groups import num_groups
 from tearless.config import Config, resume_compat, to_dict
 from tearless.config.derived import critic_enabled, on_policy, roles
 from tearless.config.identity import fingerprint_changes, fingerprints
@@ -38,7 +38,9 @@ from tearless.data.prompts import check_vocabulary
 from tearless.models.loading import check_model_dir, load_tokenizer
 from tearless.models.precision import compute_dtype
 from tearless.rewards.steps import rollout_token_rewards
+from tearless.rollout.batch import Rollout
 from tearless.rollout.correction import rollout_correction, rollout_rejection
+from tearless.rollout.engine import engine_capabilities
 from tearless.rollout.sync_probe import METRIC as SYNC_PROBE_METRIC
 from tearless.rollout.sync_probe import max_difference, mismatch_message, probe_bound, probe_ids
 from tearless.run import checkpoint as ckpt
@@ -46,25 +48,17 @@ from tearless.run.timer import Timer
 from tearless.run.tracking import Tracker, read_metrics, truncate_jsonl
 from tearless.tasks.bootstrap import TaskSpec
 from tearless.trainers import runlock
-from tearless.trainers.async_loop import AsyncPipeline
-from tearless.trainers.collect import collect
 from tearless.trainers.metrics import data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
 from tearless.trainers.reward_errors import RewardErrors
+from tearless.trainers.source import BatchSource, PromptDraw, SourceSettings
 from tearless.trainers.validation import format_validation, validate
 from tearless.trainers.warmup import prepare_task
 from tearless.workers.actor import reward_kl
 from tearless.workers.build import hybrid_rollout_dtype, precision_mismatch, role_key, rollout_dtype
 from tearless.workers.critic import critic_value_stats, explained_variance
-from tearless.workers.group import Rollout
 from tearless.workers.placement import make_workers
 from tearless.workers.spec import RankSpec
-
-
-def uid_index(uids: list[str]) -> torch.Tensor:
-    """Each row's group as a small integer (first appearance order), so tensors can carry the uid."""
-    ids: dict[str, int] = {}
-    return torch.tensor([ids.setdefault(u, len(ids)) for u in uids], dtype=torch.long)
 
 
 def step_generator(seed: int, step: int, stream: int) -> torch.Generator:
@@ -149,7 +143,7 @@ class RLTrainer:
         )
         self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
         self.run_dir = Path(t.default_local_dir)
-        self.batches_consumed = 0
+        self.prompts = PromptDraw(self.loader)
         self.policy_version = 0  # actor updates so far (the version rollouts record, docs/async.md)
         self.bad_steps = 0  # RL steps in a row with a skipped (non-finite) optimizer step
         self.flat_steps, self.warned_no_signal = 0, False  # steps in a row with mostly flat groups
@@ -179,12 +173,25 @@ class RLTrainer:
         )
         if resume_dir:
             self._load_state(resume_dir)
-        # Every load into a vLLM engine is checked against the trainer (tearless.rollout.sync_probe).
-        self.sync_probe = probe_ids(self.train_set[0], self.tokenizer) if arr.rollout.name == "vllm" else None
+        # Every load into an engine holding its own weights is checked against the trainer
+        # (tearless.rollout.sync_probe).
+        self.capabilities = engine_capabilities(arr.rollout.name)  # of the rollout engine
+        self.sync_probe = (
+            probe_ids(self.train_set[0], self.tokenizer) if self.capabilities.holds_own_weights else None
+        )
         self.sync_probe_dtype = rollout_dtype(cfg, self.workers.device)
-        # async_training: generation runs ahead of the updates (trainers/async_loop.py, docs/async.md).
-        self.pipeline = AsyncPipeline(self) if cfg.async_training.enable else None
-        self._collect = self.pipeline.collect if self.pipeline else partial(collect, self)
+        # The one source of batches: synchronous (k = 0), or generating up to k steps ahead
+        # (async_training, docs/async.md).
+        self.source = BatchSource(
+            self.workers,
+            self.prompts,
+            SourceSettings.from_config(
+                cfg, total_steps=self.total_steps, max_new_tokens=self.response_length
+            ),
+            version=lambda: self.policy_version,
+            report_errors=self.reward_errors.report,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
 
     # ---------------------------------------------------------------- setup helpers
     def _resolve_paths(self) -> tuple[str, Any, Any, str | None]:
@@ -220,7 +227,7 @@ class RLTrainer:
             if compute_dtype(self._param_dtype(r), device, "", warn=False) != torch.float32
         ]
         if (
-            self.cfg.actor_rollout_ref.rollout.name == "hf"
+            not engine_capabilities(self.cfg.actor_rollout_ref.rollout.name).holds_own_weights
             and hybrid_rollout_dtype(self.cfg, device, warn=False) != torch.float32
         ):
             keys.append("actor_rollout_ref.rollout.dtype")
@@ -276,7 +283,7 @@ class RLTrainer:
         self.skipped = {role: float(s["skipped_steps"]) for role, s in state["workers"].items()}
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         resume_compat.apply_config({}, self.kl_ctrl, self.cfg)  # the ranks applied it to their optimizers
-        self.batches_consumed = state["batches_consumed"]
+        self.prompts.position = state["batches_consumed"]
         warmup = self.cfg.trainer.critic_warmup
         self.policy_version = int(state.get("policy_version", max(0, self.start_step - warmup)))
         self.bad_steps = int(state.get("bad_steps", 0))
@@ -293,7 +300,7 @@ class RLTrainer:
             "torch_rng": torch.get_rng_state(),
             "python_rng": random.getstate(),
             # Prompt batches of steps trained so far: in-flight generations are redrawn on resume.
-            "batches_consumed": self.batches_consumed - (self.pipeline.in_flight() if self.pipeline else 0),
+            "batches_consumed": self.source.resume_position(),
             "policy_version": self.policy_version,
             "bad_steps": self.bad_steps,
             # Plain JSON values only, so the state loads with torch.load(weights_only=True).
@@ -316,11 +323,6 @@ class RLTrainer:
         )
 
     # ---------------------------------------------------------------- one RL step
-    def _next_prompts(self) -> list[dict]:
-        epoch, i = divmod(self.batches_consumed, self.loader.num_batches)
-        self.batches_consumed += 1
-        return self.loader.batch(epoch, i)
-
     def generate(self, prompts: list[dict], *, keys: list[int] | None, n: int, **sampling: Any) -> Rollout:
         """``n`` scored responses per prompt from the worker group; reward errors are reported (and a
         round whose every sample failed stops the run) by :mod:`tearless.trainers.reward_errors`."""
@@ -340,12 +342,13 @@ class RLTrainer:
         t = self.cfg.trainer
         timer = Timer()
         with timer("step"):
-            rollout, uids, metrics = self._collect(step, timer)
-            td = self.batch(rollout, uids)
+            rollout, metrics = self.source.batch(step, timer)
+            uids = rollout.uids
+            td = rollout.tensors()
             self.forward_passes(td, rollout, metrics, timer)
             with timer("adv"):
                 rewards = self.token_rewards(td, rollout, metrics)
-                td["advantages"], td["returns"] = self.advantages(td, rewards, uids, rollout, step)
+                td["advantages"], td["returns"] = self.advantages(td, rewards, rollout)
             if "rollout_rs_mask" in td.keys():  # masked IS: rejected tokens leave both updates
                 td["response_mask"] = td["response_mask"] * td["rollout_rs_mask"]
             faults.point("update", step)
@@ -362,8 +365,7 @@ class RLTrainer:
                 self.policy_version += 1
                 with timer("update_weights"):  # to separate rollout workers (split placement)
                     received = self.workers.sync_weights(self.policy_version)
-                if self.pipeline:
-                    self.pipeline.sync_idle(timer, received)
+                self.source.sync_idle(timer, received)
                 if self.sync_probe is not None:
                     metrics[SYNC_PROBE_METRIC] = self.verify_sync(step)
             self.workers.check_weights(step, (td["prompt_ids"][:1], td["prompt_mask"][:1]))
@@ -391,7 +393,7 @@ class RLTrainer:
                 "perf/throughput": tokens / max(seconds, 1e-9),
             }
         )
-        self._dump_samples(step, rollout, uids, td["advantages"])
+        self._dump_samples(step, rollout, td["advantages"])
         return metrics
 
     def verify_sync(self, step: int | None) -> float:
@@ -404,24 +406,6 @@ class RLTrainer:
             raise TrainingStopped(mismatch_message(step, diff, bound, self.sync_probe_dtype))
         return diff
 
-    def batch(self, rollout: Rollout, uids: list[str]) -> TensorDict:
-        """The step's tensors, one row per response, each carrying its prompt group."""
-        out = rollout.out
-        td = TensorDict(
-            {
-                "prompt_ids": out.prompt_ids,
-                "prompt_mask": out.prompt_mask,
-                "response_ids": out.response_ids,
-                "response_mask": out.response_mask,
-                "response_attention_mask": out.response_attention_mask,
-                "uid_index": uid_index(uids),
-            },
-            batch_size=[len(uids)],
-        )
-        if out.entropy is not None:
-            td["rollout_entropy"] = out.entropy
-        return td
-
     def forward_passes(self, td: TensorDict, rollout: Rollout, metrics: dict, timer: Timer) -> None:
         """Old log-probs (and the rollout-vs-trainer mismatch), reference log-probs and values."""
         cfg = self.cfg
@@ -430,10 +414,10 @@ class RLTrainer:
         if rc.bypass_mode:  # π_old := the behaviour policy, the rollout's own log-probs
             td["old_log_prob"] = rollout.out.log_probs
         elif (
-            not on_policy(arr.actor, td.batch_size[0] // arr.rollout.n)
+            not on_policy(arr.actor, num_groups(td["uid_index"]))
             or alg.use_kl_in_reward
             or any(v is not None for v in (rc.rollout_is, rc.rollout_rs, rc.rollout_token_veto_threshold))
-            or arr.rollout.name != "hf"
+            or not self.capabilities.exact_log_probs
             or self.precision_mismatch
         ):
             with timer("old_log_prob"):
@@ -492,29 +476,25 @@ class RLTrainer:
         return rewards
 
     def advantages(
-        self, td: TensorDict, rewards: torch.Tensor, uids: list[str], rollout: Rollout, step: int
+        self, td: TensorDict, rewards: torch.Tensor, rollout: Rollout
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Advantages and returns of the configured estimator, grouped by uid."""
+        """Advantages and returns of the configured estimator, grouped by uid (ReMax's baseline: the
+        score of each response's prompt's greedy response, generated with the samples)."""
         alg = self.cfg.algorithm
-        baselines = None
-        if alg.adv_estimator == "remax":  # the reward of each prompt's greedy response
-            prompts = rollout.items[:: self.cfg.actor_rollout_ref.rollout.n]
-            greedy = self.generate(prompts, keys=None, n=1, do_sample=False)
-            baselines = greedy.scores.repeat_interleave(self.cfg.actor_rollout_ref.rollout.n)
         return compute_advantage(
             alg.adv_estimator,
             token_level_rewards=rewards,
             response_mask=td["response_mask"],
-            index=uids,
+            index=rollout.uids,
             gamma=alg.gamma,
             lam=alg.lam,
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            reward_baselines=baselines,
+            reward_baselines=rollout.baselines,
             values=td.get("values", None),
             step_mask=td["step_mask"],
         )
 
-    def _dump_samples(self, step: int, rollout: Rollout, uids: list[str], advantages: torch.Tensor) -> None:
+    def _dump_samples(self, step: int, rollout: Rollout, advantages: torch.Tensor) -> None:
         """Append this step's samples (every prompt group's, or the first ``trainer.num_rollout_samples``)
         to the rollout records, unless the file has reached ``trainer.rollout_log_max_mb``."""
         t = self.cfg.trainer
@@ -525,7 +505,7 @@ class RLTrainer:
             valid = mask[i].bool()
             record = {
                 "step": step,
-                "uid": uids[i],
+                "uid": items[i]["uid"],
                 "data_source": items[i]["data_source"],
                 "prompt": self.tokenizer.decode(items[i]["input_ids"], skip_special_tokens=False),
                 "response": rollout.texts[i],
@@ -544,7 +524,15 @@ class RLTrainer:
     # ---------------------------------------------------------------- validation
     def validate(self) -> dict[str, float]:
         """Greedy accuracy, and with ``val_kwargs.do_sample`` mean@n and pass@k, per data_source."""
-        return validate(self)
+        cfg = self.cfg
+        return validate(
+            self.val_set,
+            self.generate,
+            cfg.actor_rollout_ref.rollout.val_kwargs,
+            seed=cfg.trainer.seed,
+            batch_size=cfg.data.val_batch_size,
+            log=self.log,
+        )
 
     # ---------------------------------------------------------------- the loop
     def _restore_checkpointed_record(self) -> None:
@@ -666,7 +654,7 @@ class RLTrainer:
                 metrics = self.train_step(step)
                 self._count_bad_step(metrics)
                 stop = 0 < t.max_bad_steps <= self.bad_steps
-                epoch = (self.batches_consumed - 1) // self.loader.num_batches
+                epoch = (self.prompts.position - 1) // self.loader.num_batches
                 metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
                 last = step == self.total_steps
                 if last or (t.test_freq > 0 and step % t.test_freq == 0):

@@ -23,6 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
+from tearless.algos.groups import num_groups
 from tearless.config.derived import on_policy, policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
@@ -198,7 +199,7 @@ class Actor(LogProbWorker):
     def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """Run the PPO epochs over ``td`` (one training step's responses) in this process; return
         averaged metrics. A worker group runs the same :func:`policy_update` across its ranks."""
-        detached = on_policy(self.cfg, td.batch_size[0] // self.rollout_n)
+        detached = on_policy(self.cfg, num_groups(td["uid_index"]))
         s = actor_settings(self.cfg, self.rollout_n, self.loss_scale_factor)
 
         def run(work):
@@ -263,7 +264,7 @@ def policy_update(
     (:func:`skips_zero_adv_rows`), their entropy metric taken from the sampler (``rollout_entropy``)
     or, without it, from ``entropy_of(rows)``."""
     skip, skip_metrics = None, None
-    if skips_zero_adv_rows(cfg, td.batch_size[0] // rollout_n):
+    if skips_zero_adv_rows(cfg, num_groups(td["uid_index"])):
         skip = ~((td["advantages"] * td["response_mask"]) != 0).any(-1)
 
         def entropy(rows: TensorDict) -> torch.Tensor:

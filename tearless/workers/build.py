@@ -28,6 +28,7 @@ from tearless.models.value import load_value_model
 from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
+from tearless.rollout.engine import engine_capabilities
 from tearless.rollout.hf import HFRollout
 from tearless.tools import load_tools
 from tearless.workers.spec import RankSpec
@@ -59,7 +60,8 @@ def hybrid_rollout_dtype(cfg: Config, device: str, *, warn: bool = True) -> torc
 
 def precision_mismatch(cfg: Config, device: str) -> bool:
     """Whether the hybrid built-in engine computes in another dtype than the actor's log-prob forward."""
-    if cfg.actor_rollout_ref.rollout.name != "hf" or cfg.actor_rollout_ref.rollout.nnodes > 0:
+    rollout = cfg.actor_rollout_ref.rollout
+    if engine_capabilities(rollout.name).holds_own_weights or rollout.nnodes > 0:
         return False
     actor = compute_dtype(
         cfg.actor_rollout_ref.actor.fsdp_config.param_dtype, device, role_key("actor"), warn=False

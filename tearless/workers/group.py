@@ -17,40 +17,23 @@ A batch's rows carry their prompt group (``uid_index``): a prompt's responses st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
+from tearless.algos.groups import num_groups
 from tearless.config import Config
 from tearless.config.derived import loss_scale_factor, on_policy
 from tearless.rollout.agent import agent_metrics
-from tearless.rollout.hf import RolloutOutput, concat_rollouts
+from tearless.rollout.batch import Rollout
+from tearless.rollout.engine import concat_rollouts
 from tearless.workers.actor import policy_update
 from tearless.workers.critic import critic_settings, update_settings
 from tearless.workers.rank import Rank, RankMethod
 from tearless.workers.schedule import balanced_partition, count_micro_batches, row_tokens, scheduled_update
 from tearless.workers.scoring import reward_metrics
 from tearless.workers.spec import RankSpec
-
-
-@dataclass
-class Rollout:
-    """A scored rollout gathered from the generating ranks, rows in prompt order (a prompt's ``n``
-    responses adjacent): the tensors, one item per response (its prompt's fields, plus ``tool_calls``
-    in multi-turn), scores, correctness, decoded texts, each scorer's extra values, the metrics of
-    reward scoring and of the agent loop, and the slowest rank's seconds of generation and scoring."""
-
-    out: RolloutOutput
-    items: list[dict]
-    scores: torch.Tensor
-    correct: torch.Tensor
-    texts: list[str]
-    extras: list[dict]
-    metrics: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
-    errors: dict[str, list] = field(default_factory=dict)  # reward errors: message → [count, traceback]
 
 
 def contiguous_split(count: int, parts: int) -> list[range]:
@@ -235,7 +218,7 @@ class WorkerGroup:
         arr = self.cfg.actor_rollout_ref
         # bypass_mode: π_old is the rollout's, so the ratio is not 1 even on-policy.
         bypass = self.cfg.algorithm.rollout_correction.bypass_mode
-        detached = on_policy(arr.actor, td.batch_size[0] // arr.rollout.n) and not bypass
+        detached = on_policy(arr.actor, num_groups(td["uid_index"])) and not bypass
         return policy_update(
             arr.actor,
             arr.rollout.n,

@@ -201,7 +201,7 @@ class Rank:
             self.engine, self.reward, self.agent = build_rollout(spec, self.tokenizer, self.device, trained)
             # An engine holding its own copy of the policy beside the trained one (vLLM in the hybrid
             # placement) takes the new weights after every update.
-            self.separate_engine = trained is not None and spec.cfg.actor_rollout_ref.rollout.name != "hf"
+            self.separate_engine = trained is not None and self.engine.capabilities.holds_own_weights
 
     # ------------------------------------------------------------------ rollout
     def _rollout_weights(self):
@@ -209,7 +209,7 @@ class Rank:
         shards (nothing to do for a plain model or a separate engine)."""
         from contextlib import nullcontext
 
-        if self.spec.cfg.actor_rollout_ref.rollout.name != "hf" or "actor" not in self.roles:
+        if self.engine.capabilities.holds_own_weights or "actor" not in self.roles:
             return nullcontext()
         return gathered(self.roles["actor"].model, self.models.fsdp("actor").reshard_after_forward)
 

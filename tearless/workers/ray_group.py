@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tearless.config import Config, to_dict
+from tearless.rollout.engine import engine_capabilities
 from tearless.workers import reaper
 from tearless.workers.group import WorkerGroup
 from tearless.workers.rank import Rank, RankMethod
@@ -284,7 +285,7 @@ class RayWorkers(WorkerGroup):
             )
             wait_all(pending, "weight-sync setup", actor.timeout_s)
             self.sync_weights()
-        elif self.cfg.actor_rollout_ref.rollout.name != "hf":
+        elif engine_capabilities(self.cfg.actor_rollout_ref.rollout.name).holds_own_weights:
             actor.call(Rank.sync_engine, [()] * actor.world, "first weight load into the engines")
 
     def world_of(self, pool: str) -> int:

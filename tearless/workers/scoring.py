@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from tearless.rewards.steps import step_fields
-from tearless.rollout.hf import RolloutOutput
+from tearless.rollout.engine import RolloutOutput
 
 
 def score_responses(tokenizer: Any, manager: Any, items: list[dict], out: RolloutOutput) -> dict[str, Any]:

@@ -2,7 +2,14 @@ import numpy as np
 import pytest
 import torch
 
-from tearless.algos.groups import group_ids, group_reduce, group_sizes
+from tearless.algos.groups import (
+    first_groups,
+    group_ids,
+    group_reduce,
+    group_sizes,
+    groups_within,
+    num_groups,
+)
 
 
 def test_group_ids_by_equality_for_every_id_type():
@@ -32,3 +39,17 @@ def test_group_reduce_and_sizes():
     assert group_reduce(values, ids, "amax").tolist() == [3.0, 5.0, -2.0]
     assert group_reduce(values, ids, "amin").tolist() == [1.0, 5.0, -2.0]
     assert group_sizes(ids).tolist() == [2.0, 1.0, 2.0, 1.0]
+
+
+def test_selection_by_uid_when_a_groups_rows_are_apart():
+    # Rows (uid): 0 a, 1 b, 2 a, 3 c, 4 b, 5 c. Groups in first-appearance order: a, b, c.
+    uids = ["a", "b", "a", "c", "b", "c"]
+    assert num_groups(uids) == 3 and num_groups([]) == 0
+    # Dynamic sampling kept b and c (a flat): the first group of those is b, the first two b and c.
+    spread = torch.tensor([False, True, False, True, True, True])
+    assert first_groups(uids, spread, 1).tolist() == [1, 4]
+    assert first_groups(uids, spread, 2).tolist() == [1, 3, 4, 5]
+    assert first_groups(uids, torch.zeros(6, dtype=torch.bool), 2).tolist() == []
+    # Staleness per row; bound 1: a (0, 1) and c (1, 0) kept, b (0, 2) dropped whole.
+    staleness = torch.tensor([0, 0, 1, 1, 2, 0])
+    assert groups_within(staleness, uids, 1).tolist() == [0, 2, 3, 5]

@@ -43,12 +43,6 @@ RC = "algorithm.rollout_correction"
             "partial_rollout",
             "multi-turn",
         ),
-        (
-            ["async_training.enable=true", "algorithm.filter_groups.enable=true"],
-            "filter_groups",
-            "dynamic sampling",
-        ),
-        (["async_training.enable=true", "algorithm.adv_estimator=remax"], "adv_estimator", "greedy baseline"),
     ],
 )
 def test_nonsensical_offpolicy_settings_are_refused_by_name(overrides, key, words):
@@ -77,3 +71,14 @@ def test_sensible_offpolicy_settings_load_and_are_described():
     text = describe()
     for key in ("async_training.max_staleness", f"{RC}.rollout_rs_threshold_lower", f"{RC}.bypass_mode"):
         assert key in text
+
+
+def test_dynamic_sampling_and_remax_load_with_the_asynchronous_loop():
+    # One source of batches serves both loops, so neither is refused with async_training any more.
+    keys = [
+        "async_training.enable=true",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.adv_estimator=remax",
+    ]
+    cfg = load_config(None, keys)
+    assert cfg.algorithm.filter_groups.enable and cfg.algorithm.adv_estimator == "remax"

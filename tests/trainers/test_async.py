@@ -13,8 +13,8 @@ from transformers import AutoConfig
 from tearless import train
 from tearless.config import load_config
 from tearless.run.tracking import read_metrics
-from tearless.trainers.async_loop import Batch, fresh_groups, response_versions, staleness_metrics
 from tearless.trainers.rl import RLTrainer
+from tearless.trainers.source import Call, fresh_groups, response_versions, staleness_metrics
 from tests.tolerances import logprob_tol
 
 QUIET = {"log": lambda _: None}
@@ -23,20 +23,22 @@ FAST += ("actor_rollout_ref.rollout.val_kwargs.do_sample=false",)
 
 
 def test_fresh_groups_and_the_staleness_histogram():
-    # Policy at version 5, max staleness 2, groups of n = 2. Versions per row:
-    #   group 0: 5, 5 (staleness 0, 0)  kept
-    #   group 1: 3, 4 (2, 1)            kept
-    #   group 2: 4, 2 (1, 3)            dropped whole: one sample is 3 > 2 behind
-    versions = torch.tensor([5, 5, 3, 4, 4, 2])
-    kept, staleness = fresh_groups(versions, 5, 2, 2)
-    assert kept.tolist() == [0, 1, 2, 3] and staleness.tolist() == [0, 0, 2, 1, 1, 3]
-    m = staleness_metrics(staleness, kept, 2)
+    # Policy at version 5, max staleness 2, three groups of two rows, matched by uid (group c's rows
+    # apart, so position would group them wrongly). Versions per row:
+    #   group a: 5, 5 (staleness 0, 0)  kept
+    #   group b: 3, 4 (2, 1)            kept
+    #   group c: 4, 2 (1, 3)            dropped whole: one sample is 3 > 2 behind
+    versions = torch.tensor([5, 4, 5, 3, 4, 2])
+    uids = ["a", "c", "a", "b", "b", "c"]
+    kept, staleness = fresh_groups(versions, uids, 5, 2)
+    assert kept.tolist() == [0, 2, 3, 4] and staleness.tolist() == [0, 1, 0, 2, 1, 3]
+    m = staleness_metrics(staleness[kept], 2, 6, 2)
     assert m["async/staleness_mean"] == pytest.approx((0 + 0 + 2 + 1) / 4)
     assert m["async/staleness_max"] == 2
     assert [m[f"async/staleness_count/{s}"] for s in range(3)] == [2, 1, 1]
     assert m["async/dropped"] == 2 and m["async/dropped_frac"] == pytest.approx(2 / 6)
     with pytest.raises(ValueError, match="newer"):
-        fresh_groups(torch.tensor([6, 6]), 5, 2, 2)
+        fresh_groups(torch.tensor([6, 6]), ["a", "a"], 5, 2)
 
 
 @pytest.mark.slow
@@ -53,8 +55,13 @@ def test_a_responses_version_is_its_oldest_tokens_and_partial_ones_are_counted()
     assert metrics == {"async/partial_frac": 2 / 3, "async/resumed_token_frac": 2 / 9}
 
 
-def test_max_staleness_zero_is_the_synchronous_run(overrides, tmp_path):
-    steps = ("trainer.total_training_steps=3", *FAST)
+# Dynamic sampling and ReMax take their extra generation calls from the same source in both loops.
+DAPO_REMAX = ("algorithm.filter_groups.enable=true", "algorithm.adv_estimator=remax")
+
+
+@pytest.mark.parametrize("extra", [(), DAPO_REMAX], ids=["grpo", "dapo-remax"])
+def test_max_staleness_zero_is_the_synchronous_run(overrides, tmp_path, extra):
+    steps = ("trainer.total_training_steps=3", *FAST, *extra)
     train(None, overrides(tmp_path / "sync", *steps), **QUIET)
     async_keys = ("async_training.enable=true", "async_training.max_staleness=0")
     train(None, overrides(tmp_path / "async", *steps, *async_keys), **QUIET)
@@ -95,25 +102,24 @@ def test_an_injected_stale_batch_is_weighted_and_dropped_as_computed_by_hand(ove
             # step 1 trains on version 0 samples at version 0; step 2 on version 0 samples at version 1
             assert m["async/staleness_max"] == step - 1 and m["async/dropped"] == 0
         assert trainer.policy_version == 2
-        queued = trainer.pipeline.queue[0]
+        queued = trainer.source.queue[0]
         assert queued.step == 3 and queued.version == 1  # submitted at step 2, before its update
         rollout = trainer.workers.wait_generate(queued.pending)
-        uids = [f"3-1-{i // 4}" for i in range(16)]
-        proximal, _ = trainer.workers.compute_log_prob("actor", trainer.batch(rollout, uids))
+        proximal, _ = trainer.workers.compute_log_prob("actor", rollout.tensors())
         # δ per group: ln 3 (ratio 3, truncated to 2), −ln 4 (ratio ¼, raised to ½), 0 (ratio 1), 0
         shift = torch.tensor([math.log(3), -math.log(4), 0.0, 0.0]).repeat_interleave(4)[:, None]
         rollout.out.log_probs = torch.where(rollout.out.response_mask.bool(), proximal - shift, 0.0)
         # versions: groups 0-2 at version 1 (staleness 1 ≤ 1), group 3 at version 0 (staleness 2 > 1)
         versions = torch.tensor([1, 1, 1, 0]).repeat_interleave(4)
-        trainer.pipeline.queue[0] = Batch(step=3, version=0, prompts=[], rollout=rollout, versions=versions)
+        trainer.source.queue[0] = Call(step=3, version=0, prompts=[], rollout=rollout, versions=versions)
         m = trainer.train_step(3)
         # Step 4's batch handed in entirely at version 0 (staleness 3 > 1): every group is dropped and
         # the step regenerates its own prompts with the current weights.
-        queued = trainer.pipeline.queue[0]
+        queued = trainer.source.queue[0]
         zeros = torch.zeros(16, dtype=torch.long)
-        stale = Batch(step=4, version=0, prompts=queued.prompts, rollout=rollout, versions=zeros)
+        stale = Call(step=4, version=0, prompts=queued.prompts, rollout=rollout, versions=zeros)
         trainer.workers.wait_generate(queued.pending)
-        trainer.pipeline.queue[0] = stale
+        trainer.source.queue[0] = stale
         m4 = trainer.train_step(4)
     finally:
         trainer.workers.close()
@@ -203,3 +209,41 @@ def test_multi_turn_tool_use_runs_one_step_off(tmp_path):
     assert [r["async/staleness_max"] for r in records] == [0, 1]
     assert all("rollout_corr/is_weight_mean" in r for r in records)
     assert any(rec["tool_calls"] for rec in read_records(tmp_path / "run" / "rollouts.jsonl.gz"))
+
+
+def test_dynamic_sampling_and_remax_run_one_step_off(overrides, tmp_path):
+    """One-step-off with DAPO's dynamic sampling and ReMax's greedy baseline: every trained group (by
+    uid, in the rollout records) has n responses whose scores differ, and each response's advantage is
+    its score minus one baseline shared by its prompt's responses (ReMax with an outcome reward:
+    A = r − b on every token), b itself a score the task gives (0 or 1)."""
+    from tearless.trainers.records import read_records
+
+    keys = (
+        "async_training.enable=true",
+        "async_training.max_staleness=1",
+        "algorithm.filter_groups.max_num_gen_batches=4",
+        "trainer.total_training_steps=3",
+        "trainer.num_rollout_samples=-1",
+        "trainer.save_freq=2",
+        *DAPO_REMAX,
+        *FAST,
+    )
+    train(None, overrides(tmp_path, *keys), **QUIET)
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1]
+    for m in metrics:
+        assert 1 <= m["train/num_gen_batches"] <= 4 and 0 < m["train/kept_prompt_ratio"] <= 1
+    groups: dict[tuple, list[dict]] = {}
+    for r in read_records(tmp_path / "rollouts.jsonl.gz"):
+        groups.setdefault((r["step"], r["uid"]), []).append(r)
+    assert {step for step, _ in groups} == {1, 2, 3}
+    for rows in groups.values():
+        assert len(rows) == 4 and len({r["score"] for r in rows}) > 1
+        baselines = {round(r["score"] - r["advantage"], 5) for r in rows}
+        assert len(baselines) == 1 and baselines <= {0.0, 1.0}
+    per_step = [sum(step == s for step, _ in groups) for s in (1, 2, 3)]
+    assert all(1 <= k <= 8 for k in per_step)
+    # The loader order: step 1's first batch (0), step 2's (1, submitted ahead), step 1's further
+    # rounds, then step 3's first batch, in flight at the checkpoint of step 2: a resume starts there.
+    state = torch.load(tmp_path / "global_step_2" / "trainer_state.pt", weights_only=True)
+    assert state["batches_consumed"] == metrics[0]["train/num_gen_batches"] + 1

@@ -54,6 +54,8 @@ def build_batch(model_dir):
             "ref_log_prob": (out.log_probs - 0.2 * noise.abs()) * mask,
             "advantages": torch.randn(rows, 1, generator=gen).expand_as(mask) * mask,
             "rollout_entropy": out.entropy,
+            # Each row's prompt group: a prompt's N responses are adjacent.
+            "uid_index": torch.arange(len(prompts)).repeat_interleave(N),
         },
         batch_size=[rows],
     )
