@@ -498,7 +498,11 @@ def _validate_placement(cfg: Config) -> None:
 
 
 def _validate_multi_turn(cfg: Config) -> None:
+    # The rollout and envs packages import config (a floor above it): imported when validating.
+    from tearless.config.load import ConfigError
+    from tearless.envs import env_factory, load_agent
     from tearless.rollout.agent import FORMATS, TRUNCATE_SIDES
+    from tearless.rollout.toolcalls import FAMILIES
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
@@ -507,7 +511,21 @@ def _validate_multi_turn(cfg: Config) -> None:
     for name in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length", "tool_timeout_s"):
         _positive(f"{key}.{name}", getattr(mt, name))
     _positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
+    _positive(f"{key}.env_timeout_s", mt.env_timeout_s)
+    if mt.tool_family is not None:
+        _one_of(f"{key}.tool_family", mt.tool_family, FAMILIES)
     if not mt.enable:
+        return
+    if mt.env is not None and mt.agent is not None:
+        _fail(f"{key}.agent", "is set together with multi_turn.env", "Train an environment or an agent.")
+    if mt.env is not None or mt.agent is not None:
+        try:  # the user's module is imported now, so a wrong path fails before any model loads
+            if mt.env is not None:
+                env_factory(mt.env, mt.env_kwargs)
+            else:
+                load_agent(mt.agent)
+        except ValueError as e:  # its message names the key, the value and the fix
+            raise ConfigError(str(e)) from None
         return
 
     if mt.tool_config_path is None and cfg.task.name != "multihop":

@@ -242,7 +242,25 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
     )
     agent = None
     mt = arr.rollout.multi_turn
-    if mt.enable:
+    if mt.enable and (mt.env is not None or mt.agent is not None):
+        from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
+        from tearless.rollout.agent import AgentSettings
+
+        settings = AgentSettings.from_config(mt)
+        if mt.env is not None:
+            factory = env_factory(mt.env, dict(mt.env_kwargs))
+            timeout, family = mt.env_timeout_s, mt.tool_family
+            agent = EnvLoop(engine, tokenizer, factory, settings, env_timeout_s=timeout, tool_family=family)
+        else:
+            agent = ProgramLoop(
+                engine,
+                tokenizer,
+                load_agent(mt.agent),
+                settings,
+                timeout_s=mt.env_timeout_s,
+                tool_family=mt.tool_family,
+            )
+    elif mt.enable:
         from tearless.rollout.agent import AgentLoop, AgentSettings
         from tearless.tools import load_tools
 
