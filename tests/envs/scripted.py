@@ -35,7 +35,9 @@ class ScriptedEngine:
         for i, r in enumerate(rows):
             ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r, dtype=torch.long), 1
         p_ids, p_mask = left_pad(prompts, self.pad_token_id)
-        return RolloutOutput(p_ids, p_mask, ids, mask, -0.5 * mask.float(), torch.zeros(len(rows), dtype=torch.bool))
+        return RolloutOutput(
+            p_ids, p_mask, ids, mask, -0.5 * mask.float(), torch.zeros(len(rows), dtype=torch.bool)
+        )
 
 
 class Recording:
