@@ -1,8 +1,8 @@
 """An agent program trained through tearless's OpenAI-compatible endpoint: two calls, one tool.
 
 The agent asks the model the row's question, runs its tool (``check``: is the answer the sum?) on
-the reply, tells the model the verdict and asks again; the reward is 1 when the second reply is the
-right sum. Any program written against the ``openai`` client works the same way.
+the reply, tells the model the verdict and asks again. Each right reply earns 0.5; the episode is
+solved when either is right. Any program written against the ``openai`` client works the same way.
 
     tearless train actor_rollout_ref.rollout.multi_turn.enable=true data.max_response_length=40 \
         actor_rollout_ref.rollout.multi_turn.agent=examples/envs/check_agent.py:agent
@@ -34,5 +34,8 @@ def agent(base_url: str, row: dict) -> dict:
         {"role": "user", "content": check(answer, row["ground_truth"])},
     ]
     second = client.chat.completions.create(model="policy", messages=messages)
-    solved = final_answer(second.choices[0].message.content or "") == str(row["ground_truth"]).strip()
-    return {"score": float(solved), "success": solved}
+    right = [
+        check(reply, row["ground_truth"]) == "yes"
+        for reply in (answer, second.choices[0].message.content or "")
+    ]
+    return {"score": 0.5 * sum(right), "success": any(right)}

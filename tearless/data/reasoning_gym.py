@@ -39,7 +39,7 @@ def reasoning_gym_rows(
     test = [_row(task, e, "test", i) for i, e in enumerate(_dataset(task, num_test, seed, config))]
     held_out = {r["prompt"][0]["content"] for r in test}
     # Draw extra training entries so that dropping the held-out questions leaves num_train.
-    pool = _dataset(task, num_train + num_test, seed + 1, config)
+    pool = _dataset(task, 2 * (num_train + num_test), seed + 1, config)
     train = [e for e in pool if e["question"] not in held_out][:num_train]
     if len(train) < num_train:
         raise DataError(
