@@ -99,3 +99,25 @@ def test_an_agent_program_trains_through_the_endpoint(tmp_path):
 def test_bad_keys_fail_before_anything_loads(tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message):
         train(None, overrides(tmp_path, *extra), log=lambda _: None)
+
+
+def test_an_environment_runs_one_step_off(tmp_path):
+    """The environment loop generates inside the asynchronous generation calls: the second step
+    trains on first-version episodes with their behaviour log-probs."""
+    (tmp_path / "flaky.py").write_text(ENV)
+    train(
+        None,
+        overrides(
+            tmp_path,
+            f"actor_rollout_ref.rollout.multi_turn.env={tmp_path / 'flaky.py'}:Flaky",
+            "async_training.enable=true",
+            "async_training.max_staleness=1",
+            "algorithm.rollout_correction.rollout_is=token",
+            "trainer.val_before_train=false",
+        ),
+        log=lambda _: None,
+    )
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    records = [r for r in records if "async/staleness_max" in r]
+    assert [r["async/staleness_max"] for r in records] == [0, 1]
+    assert all("rollout_corr/is_weight_mean" in r and "reward_extra/env_failed/mean" in r for r in records)
