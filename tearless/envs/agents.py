@@ -81,7 +81,7 @@ class ProgramLoop:
         **sampling: Any,
     ) -> AgentRollout:
         """``n`` episodes per item (rows of an item adjacent), each at most ``max_new_tokens``
-        response tokens; episode j of item i seeds its call c with ``mix(mix(mix(keys[i], j), c)``."""
+        response tokens; episode j of item i seeds its call c with ``mix(mix(keys[i], j), c)``."""
         if self.endpoint is None:
             self.endpoint = Endpoint(self.engine, self.tokenizer, family=self.family)
         if keys is None:
