@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -276,17 +277,37 @@ def _add_data_parser(sub: argparse._SubParsersAction) -> None:
     prepare.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     prepare.add_argument("--split", choices=["train", "test"], help="split of inputs whose path says neither")
     make = actions.add_parser("make", help="write an embedded task's train and test parquet files")
-    make.add_argument("task", choices=["arithmetic", "countdown", "knights_knaves", "word_problems"])
+    make.add_argument(
+        "task",
+        help="arithmetic | countdown | knights_knaves | word_problems | reasoning_gym:<task> (any "
+        "reasoning-gym task, e.g. reasoning_gym:basic_arithmetic; needs tearless[agents])",
+    )
     make.add_argument("--output", required=True, help="directory for train.parquet / test.parquet")
     make.add_argument("--num-train", type=int, default=1000, help="training problems (default 1000)")
     make.add_argument("--num-test", type=int, default=100, help="test problems (default 100)")
     make.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     make.add_argument("--num-people", type=int, help="knights_knaves: inhabitants per puzzle (default 3)")
+    make.add_argument(
+        "--config",
+        type=_json_object,
+        help='reasoning_gym:<task>: the task\'s dataset config as JSON, e.g. \'{"operators": ["+"]}\'',
+    )
     inspect = actions.add_parser("inspect", help="schema, rows and problems of a dataset file")
     inspect.add_argument("file", help="a .parquet, .jsonl or .json file")
     inspect.add_argument("--tokenizer", help="tokenizer directory: report prompt lengths in tokens")
     inspect.add_argument("--max-prompt-length", type=int, help="flag prompts longer than this (tokens)")
     inspect.add_argument("--rows", type=int, default=3, help="rows to print (default 3)")
+
+
+def _json_object(text: str) -> dict:
+    """``--config``'s value: a JSON object, or one line saying what is wrong with it."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
+    return value
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -313,6 +334,7 @@ def _data(args: argparse.Namespace) -> int:
                 num_test=args.num_test,
                 seed=args.seed,
                 num_people=args.num_people,
+                config=args.config,
             )
             for split, path in paths.items():
                 print(f"{path}: {args.num_train if split == 'train' else args.num_test} rows")

@@ -35,6 +35,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("tearless.tools",),
     # rollout engines and the agent loop
     ("tearless.rollout",),
+    # environments and agent programs the rollout drives: the protocol, the OpenAI-compatible endpoint
+    ("tearless.envs",),
     # rows, prompt datasets, batching
     ("tearless.data",),
     # embedded tasks: they make data, tokenizers and untrained tiny models (no training)

@@ -249,6 +249,25 @@ class MultiTurnConfig:
         "Invalid action: call a tool or give the final answer.",
         "appended (masked) after a turn with neither a valid call nor an answer",
     )
+    env: str | None = doc(
+        None,
+        "a stateful environment (tearless.envs) instead of the tool loop: a registered name, "
+        "'pkg.module:Class' or 'file.py:Class'; one instance per episode, it owns the reward",
+    )
+    env_kwargs: dict = doc({}, "keyword arguments of the environment class (multi_turn.env)")
+    env_timeout_s: float = doc(
+        60.0, "an environment's reset or step, or one agent program's episode, running longer fails it"
+    )
+    tool_family: str | None = doc(
+        None,
+        "tool-call syntax of the chat template: hermes (Hermes, Qwen) | llama3 | mistral; null = read "
+        "from the template",
+    )
+    agent: str | None = doc(
+        None,
+        "an agent program trained through the OpenAI-compatible endpoint (tearless.envs.endpoint): "
+        "'pkg.module:fn' or 'file.py:fn', fn(base_url, row) -> reward",
+    )
 
 
 @dataclass

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from tearless.config.derived import critic_enabled
-from tearless.config.errors import fail, one_of, positive
+from tearless.config.errors import ConfigError, fail, one_of, positive
 from tearless.config.external import import_external_libs
 from tearless.config.schema import Config, all_keys
 from tearless.config.validate_async import validate_offpolicy
 from tearless.config.validate_loss import validate_loss
 from tearless.models.hub import local_model_path
 from tearless.rewards.managers import reward_config_problems
-from tearless.rollout.engine import ENGINES, engine_capabilities
 from tearless.run.tracking import LOGGERS
 from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
 
@@ -31,6 +30,7 @@ def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
     # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
     from tearless.algos import ADV_ESTIMATORS, KL_ESTIMATORS
+    from tearless.rollout.engine import ENGINES
 
     # First: a loss or estimator the user's modules register must be in the registries checked below.
     import_external_libs(cfg)
@@ -467,7 +467,10 @@ def _validate_placement(cfg: Config) -> None:
 
 def _validate_multi_turn(cfg: Config) -> None:
     # torch: ``import tearless.config`` (``config show``, ``--help``) stays torch-free
+    from tearless.envs import env_factory, load_agent
     from tearless.rollout.agent import FORMATS, TRUNCATE_SIDES
+    from tearless.rollout.engine import engine_capabilities
+    from tearless.rollout.toolcalls import FAMILIES
 
     mt = cfg.actor_rollout_ref.rollout.multi_turn
     key = "actor_rollout_ref.rollout.multi_turn"
@@ -476,6 +479,9 @@ def _validate_multi_turn(cfg: Config) -> None:
     for name in ("max_assistant_turns", "max_parallel_calls", "max_tool_response_length", "tool_timeout_s"):
         positive(f"{key}.{name}", getattr(mt, name))
     positive(f"{key}.max_user_turns", mt.max_user_turns, allow_zero=True)
+    positive(f"{key}.env_timeout_s", mt.env_timeout_s)
+    if mt.tool_family is not None:
+        one_of(f"{key}.tool_family", mt.tool_family, FAMILIES)
     if not mt.enable:
         return
     if not engine_capabilities(cfg.actor_rollout_ref.rollout.name).multi_turn:
@@ -484,6 +490,17 @@ def _validate_multi_turn(cfg: Config) -> None:
             f"the {cfg.actor_rollout_ref.rollout.name} engine cannot drive the agent loop",
             "Use an engine that can (hf, vllm), or set it to false.",
         )
+    if mt.env is not None and mt.agent is not None:
+        fail(f"{key}.agent", "is set together with multi_turn.env", "Train an environment or an agent.")
+    if mt.env is not None or mt.agent is not None:
+        try:  # the user's module is imported now, so a wrong path fails before any model loads
+            if mt.env is not None:
+                env_factory(mt.env, mt.env_kwargs)
+            else:
+                load_agent(mt.agent)
+        except ValueError as e:  # its message names the key, the value and the fix
+            raise ConfigError(str(e)) from None
+        return
 
     if mt.tool_config_path is None and cfg.task.name != "multihop":
         fail(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from tearless.config.errors import fail, one_of
 from tearless.config.schema import Config
-from tearless.rollout.engine import ENGINES, engine_capabilities
 
 RC = "algorithm.rollout_correction"
 
@@ -66,6 +65,9 @@ def _validate_correction(cfg: Config) -> None:
 
 
 def _validate_async(cfg: Config) -> None:
+    # torch (the engine registry's modules): ``import tearless.config`` stays torch-free
+    from tearless.rollout.engine import ENGINES, engine_capabilities
+
     at = cfg.async_training
     key = "async_training"
     if not isinstance(at.max_staleness, int) or isinstance(at.max_staleness, bool) or at.max_staleness < 0:

@@ -47,6 +47,7 @@ _BUILTIN: dict[str, str] = {
     "apps": _CODE,
     "codeforces": _CODE,
     "taco": _CODE,
+    "reasoning_gym/*": "tearless.rewards.reasoning_gym:compute_score",
 }
 _registered: dict[str, ScoreFn] = {}
 _version = 0

@@ -2,9 +2,10 @@
 
 Tasks: ``arithmetic`` (the default run's addition), ``countdown`` (TinyZero),
 ``knights_knaves`` (Logic-RL, ``num_people`` inhabitants, unique solutions) and ``word_problems``
-(one-step add/subtract stories, the real-model recipe's task). The test split is drawn
-first from ``seed`` and the training split from ``seed + 1`` with every test problem excluded, so the
-two never share a problem and the same seed always gives the same files.
+(one-step add/subtract stories, the real-model recipe's task), and any reasoning-gym task as
+``reasoning_gym:<task>`` (:mod:`tearless.data.reasoning_gym`, its dataset config as ``config``).
+The test split is drawn first from ``seed`` and the training split from ``seed + 1`` with every
+test problem excluded, so the two never share a problem and the same seed always gives the same files.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tearless.data.reasoning_gym import reasoning_gym_rows
 from tearless.data.rows import DataError, write_parquet
 from tearless.tasks import arithmetic, countdown, knights_knaves, word_problems
 
@@ -21,11 +23,25 @@ REAL_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def make_rows(
-    task: str, *, num_train: int, num_test: int, seed: int, num_people: int | None = None
+    task: str,
+    *,
+    num_train: int,
+    num_test: int,
+    seed: int,
+    num_people: int | None = None,
+    config: dict | None = None,
 ) -> dict[str, list[dict]]:
-    """``{"train": rows, "test": rows}`` for ``task`` (``num_people`` only for knights_knaves)."""
+    """``{"train": rows, "test": rows}`` for ``task`` (``num_people`` only for knights_knaves,
+    ``config`` only for ``reasoning_gym:<task>``)."""
+    if config and not task.startswith("reasoning_gym:"):
+        raise DataError(f"--config applies to reasoning_gym:<task>, not {task}")
+    if task.startswith("reasoning_gym:"):
+        if num_train < 1 or num_test < 1:
+            raise DataError(f"need at least one train and one test row, got {num_train} and {num_test}")
+        name = task.partition(":")[2]
+        return reasoning_gym_rows(name, num_train=num_train, num_test=num_test, seed=seed, config=config)
     if task not in TASKS:
-        raise DataError(f"unknown task {task!r}; known: {', '.join(TASKS)}")
+        raise DataError(f"unknown task {task!r}; known: {', '.join(TASKS)}, reasoning_gym:<task>")
     if num_people is not None and task != "knights_knaves":
         raise DataError(f"--num-people applies to knights_knaves, not {task}")
     if num_train < 1 or num_test < 1:
@@ -54,9 +70,12 @@ def make_task(
     num_test: int = 100,
     seed: int = 0,
     num_people: int | None = None,
+    config: dict | None = None,
 ) -> dict[str, str]:
     """Write ``<output>/train.parquet`` and ``<output>/test.parquet``; return their paths by split."""
-    splits = make_rows(task, num_train=num_train, num_test=num_test, seed=seed, num_people=num_people)
+    splits = make_rows(
+        task, num_train=num_train, num_test=num_test, seed=seed, num_people=num_people, config=config
+    )
     paths = {}
     for split, rows in splits.items():
         path = Path(output) / f"{split}.parquet"
@@ -75,6 +94,8 @@ def train_command(task: str, paths: dict[str, str]) -> str:
     directory or Hub ID works in its place.
     """
     files = f"data.train_files={paths['train']} data.val_files={paths['test']}"
+    if task.startswith("reasoning_gym:"):
+        return f"tearless train {files} actor_rollout_ref.model.path={REAL_MODEL}"
     if task == "arithmetic":
         return f"tearless train {files}"
     if task == "word_problems":

@@ -34,7 +34,7 @@ class ToolResult:
     error: bool
 
 
-def _in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future:
+def in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> asyncio.Future:
     """``fn()`` in a daemon thread, its result (or exception) delivered to a future of ``loop``."""
     future = loop.create_future()
 
@@ -74,7 +74,7 @@ async def _one(
             if inspect.iscoroutinefunction(tool.call):
                 result = await asyncio.wait_for(tool.call(**call.arguments), timeout_s)
             else:
-                future = _in_daemon_thread(asyncio.get_running_loop(), lambda: tool.call(**call.arguments))
+                future = in_daemon_thread(asyncio.get_running_loop(), lambda: tool.call(**call.arguments))
                 result = await asyncio.wait_for(future, timeout_s)
                 if inspect.isawaitable(result):
                     result = await asyncio.wait_for(result, timeout_s)

@@ -20,6 +20,7 @@ import torch
 
 from tearless.config import Config
 from tearless.distributed.fsdp import shard_from_rank0
+from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
 from tearless.models.hub import local_model_path
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, load_lora
@@ -245,7 +246,22 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
     )
     agent = None
     mt = arr.rollout.multi_turn
-    if mt.enable:
+    if mt.enable and (mt.env is not None or mt.agent is not None):
+        settings = AgentSettings.from_config(mt)
+        if mt.env is not None:
+            factory = env_factory(mt.env, dict(mt.env_kwargs))
+            timeout, family = mt.env_timeout_s, mt.tool_family
+            agent = EnvLoop(engine, tokenizer, factory, settings, env_timeout_s=timeout, tool_family=family)
+        else:
+            agent = ProgramLoop(
+                engine,
+                tokenizer,
+                load_agent(mt.agent),
+                settings,
+                timeout_s=mt.env_timeout_s,
+                tool_family=mt.tool_family,
+            )
+    elif mt.enable:
         agent = AgentLoop(
             engine,
             tokenizer,

@@ -252,7 +252,10 @@ class Rank:
                 info = None
         items = [p for p in prompts for _ in range(n)]
         with timer("reward"):
-            scored = score_responses(self.tokenizer, self.reward, items, out)
+            if getattr(self.agent, "owns_reward", False):  # environments and agent programs score
+                scored = self.agent.score(self.tokenizer, out, info)
+            else:
+                scored = score_responses(self.tokenizer, self.reward, items, out)
         self._busy_until_now()
         seconds = {**timer.seconds, "gen_idle": idle}
         if "between_tokens" in extra:
