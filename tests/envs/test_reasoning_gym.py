@@ -6,7 +6,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from tearless.data.make import make_rows, make_task
+from tearless.tasks.make import make_rows, make_task
 
 from tearless.data.rows import DataError
 from tearless.rewards import compute_score
