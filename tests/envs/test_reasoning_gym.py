@@ -6,10 +6,10 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from tearless.tasks.make import make_rows, make_task
 
 from tearless.data.rows import DataError
 from tearless.rewards import compute_score
+from tearless.tasks.make import make_rows, make_task
 
 pytest.importorskip("reasoning_gym", reason="the adapter's tests need reasoning-gym (tearless[agents])")
 
