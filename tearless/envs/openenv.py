@@ -90,8 +90,7 @@ class OpenEnvEnvironment:
         env_args: dict[str, Any] | None = None,
     ) -> None:
         core = _openenv()
-        if (env is None) == (base_url is None):
-            raise ValueError(f"{WHERE}: set exactly one of env (an OpenEnv Environment class) and base_url")
+        self.check_kwargs({"env": env, "base_url": base_url})
         self.action_field, self.observation_field = action_field, observation_field
         if env is not None:
             env_cls = _resolve(env, "env")
@@ -105,6 +104,17 @@ class OpenEnvEnvironment:
         if self.action_cls is not None and not hasattr(self.action_cls, "model_validate"):
             raise ValueError(f"{WHERE}.action={action!r} is not a pydantic model class (an OpenEnv Action)")
         self.prompt: Messages = []
+
+    @classmethod
+    def check_kwargs(cls, kwargs: dict[str, Any]) -> None:
+        """At config time: openenv-core importable, exactly one of ``env`` and ``base_url``, and the
+        named classes loadable (ValueError with one line otherwise)."""
+        _openenv()
+        if (kwargs.get("env") is None) == (kwargs.get("base_url") is None):
+            raise ValueError(f"{WHERE}: set exactly one of env (an OpenEnv Environment class) and base_url")
+        for key in ("env", "client", "action"):
+            if kwargs.get(key) is not None:
+                _resolve(kwargs[key], key)
 
     def action(self, text: str) -> Any:
         """The model's text as the environment's action (see the module docstring); raises

@@ -168,3 +168,14 @@ def test_served_environment_refusing_an_action_costs_only_that_episode(tok, serv
     assert res.rows[0]["env_error"] is None
     assert res.rows[1]["env_error"].startswith("env.step raised")
     assert loop.score(tok, res.out, res.rows)["scores"].tolist() == [0.75, 0.0]
+
+
+def test_the_example_environment_plays_through_the_adapter(tok):
+    factory = env_factory("openenv", {"env": "examples/envs/openenv_guess.py:GuessEnv"})
+    env = factory()
+    assert env.action_cls.__name__ == "GuessAction"
+    engine = ScriptedEngine(tok, {"game A": [ids(tok, "4"), ids(tok, "5")], "game B": [ids(tok, "7")]})
+    loop = EnvLoop(engine, tok, factory, AgentSettings())
+    res = loop.generate([item("A", 5), item("B", 7)], n=1, max_new_tokens=400)
+    assert [r["env_rewards"] for r in res.rows] == [[-0.25, 1.0], [1.0]]
+    assert loop.score(tok, res.out, res.rows)["correct"].tolist() == [True, True]
