@@ -8,6 +8,7 @@
 - :mod:`tearless.envs.endpoint`, :mod:`tearless.envs.agents`: the OpenAI-compatible endpoint and
   training agent programs through it.
 - :mod:`tearless.envs.builtin`: the built-in environments (tools inside an environment).
+- :mod:`tearless.envs.openenv`: OpenEnv environments (``multi_turn.env=openenv``; openenv-core optional).
 """
 
 from tearless.envs.agents import ProgramLoop, load_agent
@@ -15,11 +16,13 @@ from tearless.envs.base import Environment, Step, env_factory, load_object, regi
 from tearless.envs.builtin import ToolEnv
 from tearless.envs.endpoint import Endpoint, Session
 from tearless.envs.loop import EnvLoop, env_scores
+from tearless.envs.openenv import OpenEnvEnvironment
 
 __all__ = [
     "Endpoint",
     "EnvLoop",
     "Environment",
+    "OpenEnvEnvironment",
     "ProgramLoop",
     "Session",
     "Step",

@@ -81,7 +81,8 @@ def registered_envs() -> list[str]:
 def env_factory(spec: str, kwargs: dict[str, Any] | None = None) -> Callable[[], Environment]:
     """A function that builds one fresh environment per call, from ``spec``: a registered name, a
     ``pkg.module:Class`` / ``pkg.module.Class`` path or a ``file.py:Class`` (any callable works in
-    place of a class). Raises ValueError with one line naming the problem."""
+    place of a class). A class with a ``check_kwargs(kwargs)`` classmethod has it called now (it raises
+    ValueError). Raises ValueError with one line naming the problem."""
     where = "actor_rollout_ref.rollout.multi_turn.env"
     kwargs = dict(kwargs or {})
     target: Any = _REGISTRY.get(spec)
@@ -89,6 +90,9 @@ def env_factory(spec: str, kwargs: dict[str, Any] | None = None) -> Callable[[],
         target = load_object(spec, where)
     if not callable(target):
         raise ValueError(f"{where}={spec!r} is not a class or function that builds an environment")
+    check = getattr(target, "check_kwargs", None)
+    if callable(check):  # an adapter's own argument checks, so a wrong env_kwargs fails at config time
+        check(kwargs)
 
     def make() -> Environment:
         return target(**kwargs)
