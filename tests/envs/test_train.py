@@ -6,10 +6,10 @@ score, a failing environment costs its episodes (counted) and the run goes on; b
 from __future__ import annotations
 
 import pytest
-from tearless.trainers.tracking import read_metrics
 
 from tearless import train
 from tearless.config.load import ConfigError
+from tearless.run.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
 
