@@ -28,7 +28,8 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _descendants(pid: int) -> set[int]:
+def descendants(pid: int) -> set[int]:
+    """``pid``'s descendants, through /proc/<pid>/task/*/children (every thread's children)."""
     found, stack = set(), [pid]
     while stack:
         p = stack.pop()
@@ -62,7 +63,7 @@ def watch(driver: int) -> None:
     me = os.getpid()
     seen: dict[int, str] = {}
     while os.getppid() == driver:
-        for pid in _descendants(driver) - {me} - set(seen):
+        for pid in descendants(driver) - {me} - set(seen):
             started = _start_time(pid)
             if started is not None and _is_ray(pid):
                 seen[pid] = started

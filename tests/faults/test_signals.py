@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from tearless.trainers import runlock
+from tearless.workers.reaper import descendants
 
 pytestmark = pytest.mark.slow
 
@@ -38,23 +39,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 START_S = 600  # a trainer's start-up and first rollout on a loaded 2-core machine
 GONE_S = 60
-
-
-def descendants(pid: int) -> set[int]:
-    """``pid``'s live descendants, through /proc/<pid>/task/*/children."""
-    found, stack = set(), [pid]
-    while stack:
-        p = stack.pop()
-        for task in Path(f"/proc/{p}/task").glob("*") if Path(f"/proc/{p}/task").is_dir() else []:
-            try:
-                children = [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            for c in children:
-                if c not in found:
-                    found.add(c)
-                    stack.append(c)
-    return found
 
 
 def alive(pid: int) -> bool:
