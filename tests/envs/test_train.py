@@ -35,32 +35,33 @@ class Flaky:
 """
 
 
-def overrides(tmp_path, *extra):
-    return [
-        f"task.cache_dir={tmp_path / 'cache'}",
-        "task.num_train=32",
-        "task.num_val=8",
-        "task.warmup_steps=30",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-        "trainer.total_training_steps=2",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=4",
-        "data.max_response_length=40",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.val_kwargs.n=2",
-        "actor_rollout_ref.rollout.multi_turn.enable=true",
-        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-        "reward_model.num_workers=0",
-        *extra,
-    ]
+@pytest.fixture
+def env_overrides(overrides, tmp_path):
+    """``env_overrides(*extra)``: the suite's small config on the session task, run in
+    ``tmp_path / "run"``, with 4 prompts × 4 episodes of at most 2 turns and 8 held-out prompts."""
+
+    def make(*extra):
+        return overrides(
+            tmp_path / "run",
+            "trainer.total_training_steps=2",
+            "data.train_batch_size=4",
+            "data.max_response_length=40",
+            "data.val_max_samples=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.val_kwargs.n=2",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+            *extra,
+        )
+
+    return make
 
 
-def test_a_user_environment_trains_and_its_failures_are_counted(tmp_path):
+def test_a_user_environment_trains_and_its_failures_are_counted(env_overrides, tmp_path):
     (tmp_path / "flaky.py").write_text(ENV)
     summary = train(
         None,
-        overrides(tmp_path, f"actor_rollout_ref.rollout.multi_turn.env={tmp_path / 'flaky.py'}:Flaky"),
+        env_overrides(f"actor_rollout_ref.rollout.multi_turn.env={tmp_path / 'flaky.py'}:Flaky"),
         log=lambda _: None,
     )
     assert "val-core/arithmetic/acc/greedy" in summary["after"]
@@ -73,11 +74,11 @@ def test_a_user_environment_trains_and_its_failures_are_counted(tmp_path):
         assert 0.0 <= r["critic/score/mean"] <= 0.75
 
 
-def test_an_agent_program_trains_through_the_endpoint(tmp_path):
+def test_an_agent_program_trains_through_the_endpoint(env_overrides, tmp_path):
     pytest.importorskip("openai")
     summary = train(
         None,
-        overrides(tmp_path, "actor_rollout_ref.rollout.multi_turn.agent=examples/envs/check_agent.py:agent"),
+        env_overrides("actor_rollout_ref.rollout.multi_turn.agent=examples/envs/check_agent.py:agent"),
         log=lambda _: None,
     )
     assert "val-core/arithmetic/acc/greedy" in summary["after"]
@@ -104,19 +105,18 @@ def test_an_agent_program_trains_through_the_endpoint(tmp_path):
         ),
     ],
 )
-def test_bad_keys_fail_before_anything_loads(tmp_path, extra, message):
+def test_bad_keys_fail_before_anything_loads(env_overrides, extra, message):
     with pytest.raises(ConfigError, match=message):
-        train(None, overrides(tmp_path, *extra), log=lambda _: None)
+        train(None, env_overrides(*extra), log=lambda _: None)
 
 
-def test_an_environment_runs_one_step_off(tmp_path):
+def test_an_environment_runs_one_step_off(env_overrides, tmp_path):
     """The environment loop generates inside the asynchronous generation calls: the second step
     trains on first-version episodes with their behaviour log-probs."""
     (tmp_path / "flaky.py").write_text(ENV)
     train(
         None,
-        overrides(
-            tmp_path,
+        env_overrides(
             f"actor_rollout_ref.rollout.multi_turn.env={tmp_path / 'flaky.py'}:Flaky",
             "async_training.enable=true",
             "async_training.max_staleness=1",
