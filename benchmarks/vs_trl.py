@@ -19,10 +19,17 @@ evaluation.
 Settings shared by both (see BENCHMARKS.md for the mapping of every key): GRPO advantages
 normalised by the group's std, token-mean loss (TRL ``loss_type="dapo"``), clip ε = 0.2, one
 iteration per generation (on-policy: no old-log-prob pass in either), AdamW (β 0.9/0.999, weight
-decay 0.01), constant lr, gradient-norm clip 1.0, temperature 1, no top-k/top-p, float32, no
+decay 0.01), constant lr, gradient-norm clip 1.0, the case's temperature (1, or 0.7 for the real
+model), no top-k/top-p, float32, no
 gradient checkpointing; the KL term (medium only) is k3 against the starting model, β = 0.04.
 ``--trl-bf16`` runs TRL with ``bf16=True`` (CPU autocast over float32 weights, TRL's default); with
 ``--tearless-set actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16`` both compute in bf16.
+``--tearless-python`` and ``--trl-python`` run each framework's processes with another interpreter
+(a virtualenv with vLLM for tearless's vLLM engine, one with TRL), e.g. on the real model::
+
+    python benchmarks/vs_trl.py --case smollm2-L64 --steps 4 --rounds 3 --eval-prompts 0 \
+        --trl-python /work/venvs/trl/bin/python --tearless-python /work/venvs/vllm/bin/python \
+        --tearless-set actor_rollout_ref.rollout.name=vllm
 """
 
 from __future__ import annotations
@@ -94,7 +101,7 @@ def tearless_overrides(case: Case, run_dir: str, steps: int, seed: int, threads:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={case.prompts_per_step}",
         f"actor_rollout_ref.rollout.n={case.n}",
         f"data.max_response_length={case.max_new_tokens}",
-        "actor_rollout_ref.rollout.temperature=1.0",
+        f"actor_rollout_ref.rollout.temperature={case.temperature}",
         f"actor_rollout_ref.actor.optim.lr={case.lr}",
         "actor_rollout_ref.actor.optim.weight_decay=0.01",
         "actor_rollout_ref.actor.grad_clip=1.0",
@@ -199,7 +206,7 @@ def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int, 
             gradient_accumulation_steps=1,
             num_generations=case.n,
             max_completion_length=case.max_new_tokens,
-            temperature=1.0,
+            temperature=case.temperature,
             top_p=1.0,
             top_k=0,
             learning_rate=case.lr,
@@ -282,13 +289,14 @@ def run_fresh(
     eval_prompts: int,
     tearless_set: Sequence[str] = (),
     trl_bf16: bool = False,
+    python: str = sys.executable,
 ) -> dict:
     """One run of framework ``name`` ("tearless" or "trl") on ``case`` in a fresh process, with the
     1-minute load average before and after it and the process's wall time; ``tearless_set``: extra
     ``key=value`` overrides for tearless (a lever to compare, e.g. ``…model.use_remove_padding=true``);
-    ``trl_bf16``: TRL with ``bf16=True``."""
+    ``trl_bf16``: TRL with ``bf16=True``; ``python``: the interpreter of the process."""
     load, start = load_average(), time.perf_counter()
-    cmd = [sys.executable, __file__, "--worker", name, "--case", case]
+    cmd = [python, __file__, "--worker", name, "--case", case]
     cmd += ["--steps", str(steps), "--threads", str(threads), "--seed", str(seed)]
     cmd += ["--eval-prompts", str(eval_prompts)]
     cmd += [f"--tearless-set={kv}" for kv in tearless_set if name == "tearless"]
@@ -309,7 +317,9 @@ def run_fresh(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", default="small", help="small, medium or diverge-L<length>-H<hidden>-C<n>")
+    ap.add_argument(
+        "--case", default="small", help="small, medium, diverge-L<length>-H<hidden>-C<n> or smollm2-L<length>"
+    )
     ap.add_argument("--steps", type=int, default=6, help="GRPO steps per run (the first is a warm-up)")
     ap.add_argument("--rounds", type=int, default=3, help="alternations of tearless and TRL")
     ap.add_argument("--threads", type=int, default=1)
@@ -317,6 +327,8 @@ def main() -> None:
     ap.add_argument("--eval-prompts", type=int, default=100)
     ap.add_argument("--tearless-set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     ap.add_argument("--trl-bf16", action="store_true", help=TRL_BF16_HELP)
+    ap.add_argument("--tearless-python", default=sys.executable, help="interpreter of tearless's runs")
+    ap.add_argument("--trl-python", default=sys.executable, help="interpreter of TRL's runs")
     ap.add_argument("--worker", choices=["tearless", "trl"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -335,6 +347,7 @@ def main() -> None:
                 args.eval_prompts,
                 args.tearless_set,
                 args.trl_bf16,
+                args.tearless_python if name == "tearless" else args.trl_python,
             )
             load = result["load_before"]
             runs[name].append(result)

@@ -157,7 +157,10 @@ class FSDPConfig:
         "float32 | bfloat16 | float16 (or fp32/bf16/fp16); master weights, optimizer state, log-softmax and "
         "losses stay float32. GPU (Ray placement): FSDP2 mixed precision. CPU: bfloat16 runs under "
         "torch.autocast where the CPU has AVX-512 BF16 or AMX (else a warning and float32: bf16 is ~100x "
-        "slower there). null = bfloat16 on GPU, float32 on CPU",
+        "slower there). auto (the default for a pretrained model) = bfloat16 on GPU; on CPU float32 without "
+        "native bf16, else whichever of the two a one-time probe of the model's shapes measured faster "
+        "(cached under the tearless cache, printed in one line at start). null = bfloat16 on GPU, float32 "
+        "on CPU",
     )
     reshard_after_forward: bool = doc(
         True, "free each block's gathered parameters after its forward (less memory, one more all-gather)"

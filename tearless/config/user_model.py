@@ -34,6 +34,9 @@ RL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.val_kwargs.n": 1,  # veRL
     # Validation generates in batches: bounded memory, and a progress line per batch of a long pass.
     "data.val_batch_size": 32,
+    # bf16 where this machine measured it faster on this model, else float32 (models/calibrate.py).
+    "actor_rollout_ref.actor.fsdp_config.param_dtype": "auto",
+    "actor_rollout_ref.ref.fsdp_config.param_dtype": "auto",
 }
 # LoRA trains a few adapter weights: peers use a 10x larger rate (TRL's LoRA examples use 1e-5 to 1e-4).
 RL_LORA_LR = 1e-5

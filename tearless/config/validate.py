@@ -420,7 +420,7 @@ def _validate_placement(cfg: Config) -> None:
         ("critic.model.fsdp_config.param_dtype", cfg.critic.model.fsdp_config),
     ]:
         if fsdp.param_dtype is not None:
-            one_of(key, fsdp.param_dtype, ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
+            one_of(key, fsdp.param_dtype, ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"))
         if fsdp.param_dtype in ("float16", "fp16") and not key.startswith("actor_rollout_ref.ref."):
             fail(
                 key,

@@ -60,12 +60,14 @@ def compute_dtype(
 ) -> torch.dtype:
     """The dtype a role's forwards compute in for the config value ``name`` of ``key`` on ``device``.
 
-    ``None`` (the default): bfloat16 on GPU, float32 on CPU. On CPU only float32 and, where
+    ``None`` (the default): bfloat16 on GPU, float32 on CPU. ``"auto"`` is resolved by the trainer
+    before ranks are built (:mod:`tearless.models.calibrate`); one that reaches here unresolved (a
+    role built outside a trainer) is treated as ``None``. On CPU only float32 and, where
     :func:`cpu_has_native_bf16`, bfloat16 are computed; any other request (bf16 without the
     instructions, float16) warns (``warn``) and gives float32.
     """
     kind = torch.device(device).type
-    if name is None:
+    if name is None or name == "auto":
         return torch.bfloat16 if kind == "cuda" else torch.float32
     dtype = resolve_dtype(name)
     if kind != "cpu" or dtype == torch.float32:

@@ -35,6 +35,7 @@ from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.cpu import configure_cpu
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.data.prompts import check_vocabulary
+from tearless.models.calibrate import PrecisionChoice, choose_cpu_dtype
 from tearless.models.loading import check_model_dir, load_tokenizer
 from tearless.models.precision import compute_dtype
 from tearless.rewards.steps import rollout_token_rewards
@@ -46,7 +47,7 @@ from tearless.rollout.sync_probe import max_difference, mismatch_message, probe_
 from tearless.run import checkpoint as ckpt
 from tearless.run.timer import Timer
 from tearless.run.tracking import Tracker, read_metrics, truncate_jsonl
-from tearless.tasks.bootstrap import TaskSpec
+from tearless.tasks.bootstrap import TaskSpec, default_cache_dir
 from tearless.trainers import runlock
 from tearless.trainers.metrics import data_metrics, zero_variance_group_ratio
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, truncate_records
@@ -58,7 +59,7 @@ from tearless.workers.actor import reward_kl
 from tearless.workers.build import hybrid_rollout_dtype, precision_mismatch, role_key, rollout_dtype
 from tearless.workers.critic import critic_value_stats, explained_variance
 from tearless.workers.placement import make_workers
-from tearless.workers.spec import RankSpec
+from tearless.workers.spec import RankSpec, resolve_device
 
 
 def step_generator(seed: int, step: int, stream: int) -> torch.Generator:
@@ -85,6 +86,7 @@ class RLTrainer:
     ) -> None:
         # callbacks: ``callback(step, metrics)`` after each logged step (tearless.api.Trainer's).
         self.cfg, self.log, self.callbacks = cfg, log, list(callbacks)
+        self._auto_precision: set[str] = set()  # param_dtype keys resolved from auto
         t, data, arr = cfg.trainer, cfg.data, cfg.actor_rollout_ref
         torch.manual_seed(t.seed)
         random.seed(t.seed)
@@ -151,6 +153,7 @@ class RLTrainer:
         self.response_length = arr.rollout.response_length or data.max_response_length
         self.reward_errors = RewardErrors(cfg.reward_model.tolerate_failed_steps, self.log)
         self.start_step, resume_dir = self._find_resume()
+        self._resolve_auto_precision(str(model_path))
         spec = RankSpec(
             cfg,
             roles=roles(cfg),
@@ -216,15 +219,48 @@ class RLTrainer:
                 train_files, val_files = files.train_file, files.val_file
         return model_path, train_files, val_files, tools
 
+    def _resolve_auto_precision(self, model_path: str) -> None:
+        """Replace every ``fsdp_config.param_dtype=auto`` (the default for a pretrained model) by a dtype
+        before any rank is built: bfloat16 on GPU; on CPU the measured choice of
+        :func:`~tearless.models.calibrate.choose_cpu_dtype` for the role's model. One line per choice."""
+        cfg = self.cfg
+        sections = {
+            "actor_rollout_ref.actor": (cfg.actor_rollout_ref.actor.fsdp_config, model_path),
+            "actor_rollout_ref.ref": (cfg.actor_rollout_ref.ref.fsdp_config, model_path),
+            "critic.model": (cfg.critic.model.fsdp_config, cfg.critic.model.path or model_path),
+        }
+        by_path: dict[str, list[str]] = {}
+        for prefix, (fsdp, path) in sections.items():
+            if fsdp.param_dtype == "auto":
+                by_path.setdefault(path, []).append(prefix)
+        gpu = resolve_device(cfg.trainer.device) == "cuda"
+        for path, prefixes in by_path.items():
+            if gpu:
+                choice = PrecisionChoice("bfloat16", "a GPU: bf16 tensor cores")
+            else:
+                from transformers import AutoConfig  # only a pretrained model's run resolves auto
+
+                choice = choose_cpu_dtype(
+                    AutoConfig.from_pretrained(path),
+                    cache_dir=default_cache_dir(),
+                    threads=torch.get_num_threads(),
+                )
+            for prefix in prefixes:
+                sections[prefix][0].param_dtype = choice.dtype
+                self._auto_precision.add(prefix + ".fsdp_config.param_dtype")
+            self.log(choice.line(", ".join(p + ".fsdp_config.param_dtype" for p in prefixes)))
+
     def _announce_autocast(self, roles: Sequence[str], device: str) -> None:
         """One line naming the roles that compute under bf16 autocast on CPU (it changes speed and
-        rounding; on a CPU whose bf16 is slower than float32 the user should know it is on)."""
+        rounding; on a CPU whose bf16 is slower than float32 the user should know it is on). Keys
+        resolved from ``auto`` had their own line (:meth:`_resolve_auto_precision`)."""
         if device != "cpu":
             return
         keys = [
             role_key(r)
             for r in roles
             if compute_dtype(self._param_dtype(r), device, "", warn=False) != torch.float32
+            and role_key(r) not in self._auto_precision
         ]
         if (
             not engine_capabilities(self.cfg.actor_rollout_ref.rollout.name).holds_own_weights
