@@ -7,10 +7,11 @@ step per mini-batch, non-finite steps skipped and counted). A rank of a worker g
 objects over its (possibly FSDP2-sharded) model.
 
 On-policy, responses whose advantages are all zero contribute exactly nothing to the gradient when
-every loss term is a multiple of A_t (no entropy bonus, no KL loss, a policy loss in
-:data:`LINEAR_IN_ADVANTAGE`): with ``skip_zero_adv_rows`` they are left out of the forward and backward
-(GRPO groups whose rewards are all equal), their share of the normalisers kept, their entropy metric
-taken from the rollout. The update is the same; only the float summation order changes.
+every loss term is a multiple of A_t (no entropy bonus, no KL loss, a policy loss registered as linear
+in the advantage: :data:`~tearless.algos.losses.LINEAR_IN_ADVANTAGE`): with ``skip_zero_adv_rows``
+they are left out of the forward and backward (GRPO groups whose rewards are all equal), their share
+of the normalisers kept, their entropy metric taken from the rollout. The update is the same; only
+the float summation order changes.
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
 from tearless.algos.groups import num_groups
+from tearless.algos.losses import LINEAR_IN_ADVANTAGE
 from tearless.config.derived import on_policy, policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
 from tearless.workers.schedule import UpdateSettings, attention_mask, scheduled_update, skipped_rows_metrics
-
-# Policy losses whose per-token term is A_t times a factor: a zero advantage gives a zero loss and gradient.
-LINEAR_IN_ADVANTAGE = ("vanilla", "gspo", "cispo")
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float, num_cycles: float):

@@ -6,13 +6,12 @@ Updates and forwards run through the trainer's own route: the in-process worker 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from tensordict import TensorDict
 
-from tearless.algos import AGG_MODES
+from tearless.algos import AGG_MODES, POLICY_LOSSES, register_policy_loss
+from tearless.algos.losses import LINEAR_IN_ADVANTAGE
 from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout
@@ -65,52 +64,6 @@ def build_batch(model_dir):
     # Responses of different lengths, so token-mean and sequence-mean weight rows differently.
     assert len(set(mask.sum(-1).tolist())) > 1
     return model, td
-
-
-def actor_overrides(**actor) -> list[str]:
-    """``actor_rollout_ref.actor.<key>=<value>`` overrides (keys may be dotted: ``optim.weight_decay``)."""
-    text = {True: "true", False: "false"}
-    return [
-        f"actor_rollout_ref.actor.{k}={text.get(v, v) if isinstance(v, bool) else v}"
-        for k, v in actor.items()
-    ]
-
-
-@pytest.fixture(scope="module")
-def updated(local_workers):
-    """``updated(model, td, lr=0.1, **actor)``: run the trainer's update (``update_policy`` of its
-    worker group) on a copy of ``model``; return the copy, its last gradients, the metrics.
-
-    The actor's AdamW is swapped for plain SGD: AdamW's first step is lr·g/(|g|+ε) per entry, which
-    is blind to a wrongly scaled gradient and turns float rounding in entries whose gradient is ~ε
-    into differences of up to lr. With SGD the parameter change is the gradient itself (times lr),
-    so equal parameters mean equal gradients of every mini-batch, the second one taken after the
-    first one's step.
-    """
-
-    def run(model, td, lr=0.1, **actor):
-        settings = dict(
-            grad_clip=1e6,  # clipping rescales to unit norm and would hide a wrongly scaled gradient
-            use_kl_loss=True,
-            kl_loss_coef=0.1,
-            entropy_coeff=0.01,
-        )
-        copy_ = copy.deepcopy(model)
-        # Prompts of up to 24 tokens (the batch's have 7 to 9) and responses of up to 16: a token
-        # budget of 40 per micro-batch holds any one sequence, as validation asks.
-        workers = local_workers(
-            "data.max_prompt_length=24",
-            *actor_overrides(**{**settings, **actor}),
-            models={"actor": copy_},
-        )
-        role = workers.rank.roles["actor"]
-        role.optimizer = torch.optim.SGD(role.params, lr=lr)
-        role.scheduler = torch.optim.lr_scheduler.LambdaLR(role.optimizer, lambda _: 1.0)
-        metrics = workers.update_policy(td.clone())
-        grads = [p.grad.clone() for p in role.params]  # the last mini-batch's gradient
-        return copy_, grads, metrics
-
-    return run
 
 
 def update_terms(model, td) -> int:
@@ -253,7 +206,28 @@ def test_skipping_zero_advantage_rows_leaves_the_update_and_its_metrics_unchange
     assert any(not a.equal(b) for a, b in zip(full.parameters(), model.parameters(), strict=True))
 
 
-def test_a_batch_without_signal_still_takes_its_optimizer_step(model_and_batch, local_workers):
+def test_a_loss_registered_as_linear_in_the_advantage_leaves_zero_advantage_rows_out(
+    model_and_batch, updated
+):
+    # The same maths under two user names: only the one registered as linear in A_t is skipped.
+    model, td = model_and_batch
+    td = zero_groups(td, [0, 2, 5])
+    register_policy_loss("test_linear_vanilla", linear_in_advantage=True)(POLICY_LOSSES["vanilla"])
+    register_policy_loss("test_plain_vanilla")(POLICY_LOSSES["vanilla"])
+    try:
+        runs = {
+            name: updated(model, td, ppo_mini_batch_size=8, **PG_ONLY, **{"policy_loss.loss_mode": name})[2]
+            for name in ("test_linear_vanilla", "test_plain_vanilla")
+        }
+    finally:
+        for name in ("test_linear_vanilla", "test_plain_vanilla"):
+            POLICY_LOSSES.pop(name)
+            LINEAR_IN_ADVANTAGE.discard(name)
+    assert runs["test_linear_vanilla"]["actor/zero_adv_rows_skipped"] == 12 / 32
+    assert "actor/zero_adv_rows_skipped" not in runs["test_plain_vanilla"]
+
+
+def test_a_batch_without_signal_still_takes_its_optimizer_step(model_and_batch, updated):
     # Every advantage 0: the gradient is 0 and AdamW still decays the weights and its moments; one
     # row is forwarded so that the step, and every metric, happens as it would without skipping.
     model, td = model_and_batch
@@ -261,9 +235,8 @@ def test_a_batch_without_signal_still_takes_its_optimizer_step(model_and_batch, 
     runs = {}
     for skip in (False, True):
         actor = dict(ppo_mini_batch_size=8, skip_zero_adv_rows=skip, **PG_ONLY, **{"optim.weight_decay": 0.1})
-        trained = copy.deepcopy(model)
-        workers = local_workers(*actor_overrides(**actor), models={"actor": trained})
-        runs[skip] = (trained, workers.update_policy(td.clone()))
+        trained, _, metrics = updated(model, td, sgd=False, **actor)
+        runs[skip] = (trained, metrics)
     (full, full_m), (skipped, skip_m) = runs[False], runs[True]
     assert skip_m["actor/zero_adv_rows_skipped"] == 31 / 32
     assert set(full_m) <= set(skip_m) and skip_m["actor/grad_norm"] == full_m["actor/grad_norm"] == 0.0
