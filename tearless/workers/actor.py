@@ -129,10 +129,10 @@ class Actor(LogProbWorker):
         self.skipped_steps = 0
 
     def micro_loss(self, mb: TensorDict, norm: dict, use_detached_old: bool) -> tuple[torch.Tensor, dict]:
-        """One micro-batch's globally normalised loss (``norm``: :func:`~tearless.workers.schedule.
-        mini_batch_norm`) and metrics: the policy loss, minus ``entropy_coeff`` × the entropy, plus
-        ``kl_loss_coef`` × the KL to the reference; π_old is the detached π_θ when
-        ``use_detached_old`` (on-policy: the ratio is exactly 1)."""
+        """One micro-batch's globally normalised loss and metrics: the policy loss, minus
+        ``entropy_coeff`` × the entropy, plus ``kl_loss_coef`` × the KL to the reference (``norm``:
+        the mini-batch's normalisers, :func:`~tearless.workers.schedule.mini_batch_norm`); π_old is
+        the detached π_θ when ``use_detached_old`` (on-policy: the ratio is exactly 1)."""
         cfg = self.cfg
         need_entropy = "grad" if cfg.entropy_coeff != 0 else True
         log_prob, entropy = self.forward(mb, with_entropy=need_entropy)

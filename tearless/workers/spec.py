@@ -37,8 +37,8 @@ class RankSpec:
     used when ``multi_turn.tool_config_path`` is null. ``device`` is ``trainer.device`` as asked
     (``auto`` included): each rank resolves it in its own process (:func:`resolve_device`).
     ``models`` are roles' models already in memory, used as given instead of loading ``model_path``
-    (a group in this process over a model a test or a benchmark holds: :class:`~tearless.workers.
-    group.LocalWorkers`; the trainer gives none)."""
+    (an in-process group, :class:`~tearless.workers.group.LocalWorkers`, over a model that a test
+    or a benchmark holds; the trainer gives none)."""
 
     cfg: Config
     roles: tuple[str, ...]
