@@ -8,12 +8,13 @@ For one case (``--case small|medium``, the models and batches of ``vs_trl.py``):
   response. Throughput is tokens of real responses per second for tearless, and rows × steps per
   second for the bare loop (every row it decodes counts), so dropping finished rows can only help
   tearless if the saved work outweighs its bookkeeping.
-- update: ``Actor.update_policy`` on the rollout against a bare step on the same padded tokens:
+- update: the trainer's actor update (``update_policy`` of its in-process worker group, the route of a
+  training step) on the rollout against a bare step on the same padded tokens:
   one forward (logits at response positions), the policy-gradient loss
   :math:`-\\sum_t m_t A_t \\log\\pi(y_t)/\\sum_t m_t`, backward, gradient clip and AdamW; and
-  ``Actor.update_policy`` with its prompt sharing off and padding removed (``share_prompts=False,
-  remove_padding=True``), which forwards every valid token once and nothing else: the bare step's
-  work less its padding (the fraction on equal work).
+  the same update with its prompt sharing off and padding removed (``share_prompt_forward=false,
+  use_remove_padding=true``), which forwards every valid token once and nothing else: the bare
+  step's work less its padding (the fraction on equal work).
 - orchestration: ``RLTrainer.train_step`` over ``--steps`` steps (the first left out), split into
   the trainer's own phase timers; the share outside rollout and update, and outside every model pass
   and the reward scoring.
@@ -53,7 +54,7 @@ from tensordict import TensorDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import Case, load_prompts, make_case
-from vs_trl import tearless_overrides
+from vs_trl import actor_workers, tearless_overrides
 
 from tearless.models.precision import autocast, cpu_has_native_bf16, set_compute_dtype
 
@@ -100,11 +101,9 @@ def bare_update(model, optimizer, td: TensorDict, dtype: torch.dtype | None = No
 
 
 def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = torch.float32) -> dict:
-    from tearless.config.schema import ActorConfig
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.hf import HFRollout, left_pad
     from tearless.rollout.seeds import prompt_keys
-    from tearless.workers.actor import Actor
 
     tok = load_tokenizer(case.model_dir)
     model = set_compute_dtype(load_causal_lm(case.model_dir), dtype)
@@ -112,18 +111,15 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
     rollout = HFRollout(
         model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, compute_dtype=dtype
     )
-    cfg = ActorConfig(ppo_mini_batch_size=case.prompts_per_step)
-    cfg.optim.lr = case.lr
-    actor = Actor(model, cfg, rollout_n=case.n, temperature=1.0, total_steps=10**6)
+    # The trainer's update route (its worker group over `model`), each with its own AdamW on `model`.
+    actor = actor_workers(case, model, seed=seed)
     # Every valid token forwarded once, nothing shared and no padding: the bare step's work less its padding.
-    equal = Actor(
+    equal = actor_workers(
+        case,
         model,
-        cfg,
-        rollout_n=case.n,
-        temperature=1.0,
-        total_steps=10**6,
-        share_prompts=False,
-        remove_padding=True,
+        "actor_rollout_ref.model.share_prompt_forward=false",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        seed=seed,
     )
     bare_opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01)
     ours_gen, bare_gen, ours_upd, bare_upd, equal_upd, padding = [], [], [], [], [], []

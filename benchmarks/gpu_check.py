@@ -16,7 +16,8 @@ The checks:
    TF32 on) with padding removed (``use_remove_padding``: torch's varlen flash attention on GPU).
 3. ``fsdp_offload``: FSDP2 over a one-rank NCCL group through the real ``Rank`` code, with
    ``param_offload``, ``optimizer_offload`` and both: two updates, a checkpoint and a resumed update.
-4. ``rank_sharded_logprobs``: a one-rank sharded ``Rank``'s log-probs against an unsharded one's.
+4. ``rank_sharded_logprobs``: the in-process worker group's actor log-probs with its one rank's actor
+   sharded (FSDP2 over a one-rank group) against unsharded.
 5. ``weight_broadcast``: the split placement's weight-broadcast group at one rank.
 6. ``packed_attention``: packed (varlen) against padded attention, forward and backward, on the
    135M-shaped model in bf16.
@@ -192,7 +193,7 @@ def rank_sharded_logprobs(task, device: str) -> dict:
     from tearless.data import render_prompt
     from tearless.models.loading import load_tokenizer
     from tearless.rollout.hf import left_pad
-    from tearless.workers.rank import Rank
+    from tearless.workers.placement import make_workers
     from tearless.workers.spec import RankSpec
 
     cfg = load_config(
@@ -212,14 +213,14 @@ def rank_sharded_logprobs(task, device: str) -> dict:
     )  # fmt: skip
     out = {}
     for sharded in (False, True):
+        # The trainer's in-process group; sharded, its one rank shards the actor over a one-rank group.
         spec = RankSpec(cfg, ("actor",), False, task.model_dir, 1, device, sharded=sharded)
-        rank = Rank(0, 1, spec)
-        rank.setup(free_address() if sharded else None)
+        workers = make_workers(spec, tok.pad_token_id)
         try:
-            out[sharded] = rank.compute_log_prob("actor", td, 1)[0]
-            kind = type(rank.roles["actor"].model).__name__
+            out[sharded] = workers.compute_log_prob("actor", td)[0]
+            kind = type(workers.rank.roles["actor"].model).__name__
         finally:
-            rank.close()
+            workers.close()
     diff = float((out[True] - out[False]).abs().max())
     # Float32 (TF32 matmuls on GPU: ~1e-3 relative) forwards of the same weights: only rounding differs.
     return {

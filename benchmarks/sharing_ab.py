@@ -4,7 +4,8 @@
   e.g. ``git show 1e27875:tearless/rollout/hf.py > /tmp/hf_old.py``) against the current one (one
   model row per distinct token history), on the case's first step of prompts; seconds per rollout
   and row-steps forwarded (a forward pre-hook counts rows).
-- Update (small case only, ``--update``): ``Actor.update_policy`` on the last sampled batch with
+- Update (small case only, ``--update``): the trainer's actor update (``update_policy`` of its
+  in-process worker group) on the last sampled batch with
   random advantages (every row has signal), with ``distinct_rows`` as is against the identity (every
   row forwarded).
 
@@ -25,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cases import load_prompts, make_case
+from vs_trl import actor_workers
 
 
 def load_module(path: str):
@@ -48,11 +50,9 @@ def main() -> None:
     torch.set_num_threads(1)
 
     import tearless.models.logprobs as logprobs
-    from tearless.config.schema import ActorConfig
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.hf import HFRollout
     from tearless.rollout.seeds import prompt_keys
-    from tearless.workers.actor import Actor
 
     case = make_case(args.case)
     tok = load_tokenizer(case.model_dir)
@@ -97,9 +97,7 @@ def main() -> None:
         },
         batch_size=[len(mask)],
     )
-    cfg = ActorConfig(ppo_mini_batch_size=case.prompts_per_step)
-    cfg.optim.lr = case.lr
-    actor = Actor(model, cfg, rollout_n=case.n, temperature=1.0, total_steps=10**6)
+    actor = actor_workers(case, model)
     distinct = logprobs.distinct_rows
 
     def every_row(prompt_ids, *_):

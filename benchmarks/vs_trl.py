@@ -121,6 +121,27 @@ def tearless_overrides(case: Case, run_dir: str, steps: int, seed: int, threads:
     ]
 
 
+def actor_workers(case: Case, model: torch.nn.Module, *extra: str, seed: int = 0):
+    """The trainer's in-process worker group (``make_workers``) whose actor is ``model`` as it is in
+    memory, configured by :func:`tearless_overrides` (no KL loss: the benchmarks' batches carry no
+    reference log-probs) and ``extra``: updates and forwards take the training step's route."""
+    from tearless.config import load_config
+    from tearless.models.loading import load_tokenizer
+    from tearless.workers.placement import make_workers
+    from tearless.workers.spec import RankSpec
+
+    overrides = [
+        "actor_rollout_ref.actor.use_kl_loss=false",
+        # Building the group leaves the process as the benchmark set it: its torch threads (0: as
+        # they are) and glibc's default malloc (keep_freed_memory is process-wide and permanent).
+        "trainer.keep_freed_memory=false",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:  # the run directory: nothing is written there
+        cfg = load_config(None, [*tearless_overrides(case, tmp, 1, seed, 0), *overrides, *extra])
+    spec = RankSpec(cfg, ("actor",), False, case.model_dir, 10**6, "cpu", models={"actor": model})
+    return make_workers(spec, load_tokenizer(case.model_dir).pad_token_id)
+
+
 def run_tearless(
     case: Case, steps: int, seed: int, threads: int, eval_prompts: int, extra: Sequence[str] = ()
 ) -> dict:

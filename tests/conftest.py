@@ -102,3 +102,34 @@ def trained_run(task, tmp_path_factory):
         log=lambda _: None,
     )
     return summary, run_dir
+
+
+@pytest.fixture(scope="session")
+def local_workers(task, tmp_path_factory):
+    """``local_workers(*extra, models={role: model}, roles=None)``: the worker group the trainer
+    builds in this process (:func:`~tearless.workers.placement.make_workers`), from the small config
+    plus the overrides ``extra``, whose ``roles`` (default: those of ``models``) hold the given
+    in-memory models (:attr:`~tearless.workers.spec.RankSpec.models`); a role without one loads the
+    task's model. Tests drive updates and forwards through it, the route of a training step."""
+    from tearless.config import load_config
+    from tearless.models.loading import load_tokenizer
+    from tearless.workers.placement import make_workers
+    from tearless.workers.spec import RankSpec
+
+    run_dir = tmp_path_factory.mktemp("local-workers")
+    pad_token_id = load_tokenizer(task.model_dir).pad_token_id
+
+    def make(*extra: str, models: dict, roles: tuple[str, ...] | None = None):
+        cfg = load_config(None, small_overrides(task, run_dir, *extra))
+        spec = RankSpec(
+            cfg,
+            roles=tuple(models) if roles is None else roles,
+            rollout=False,
+            model_path=str(task.model_dir),
+            total_steps=1,
+            device="cpu",
+            models=models,
+        )
+        return make_workers(spec, pad_token_id)
+
+    return make

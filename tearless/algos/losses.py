@@ -22,24 +22,33 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
 # Modes whose maths defines its own aggregation (veRL pins the same ones): loss_agg_mode must be None
 # (their own mode is used) or equal to it.
 FIXED_AGG_MODES: dict[str, str] = {}
+# Modes whose per-token loss is A_t times a factor: a zero advantage gives a zero loss and gradient, so
+# the actor may leave responses whose advantages are all zero out of an on-policy update.
+LINEAR_IN_ADVANTAGE: set[str] = set()
 
 _AGG_KWARGS = ("global_num_tokens", "global_num_seqs", "loss_scale_factor")
 
 
-def register_policy_loss(name: str, *, agg_mode: str | None = None) -> Callable[[Callable], Callable]:
+def register_policy_loss(
+    name: str, *, agg_mode: str | None = None, linear_in_advantage: bool = False
+) -> Callable[[Callable], Callable]:
     """Register ``fn(*, old_log_prob, log_prob, advantages, response_mask, ...) -> (loss_mat, metrics)``.
 
     :func:`policy_loss` calls ``fn`` with a bool ``response_mask``, inputs already zeroed outside it, and
     only the knobs ``fn`` names; it aggregates the (B, T) ``loss_mat`` itself. ``agg_mode`` pins the
     aggregation for a loss whose definition includes it (GSPO, SAPO, GMPO). A ``fn`` that names
     ``rollout_is_weights`` applies them itself (GMPO's are per sequence); otherwise they multiply
-    ``loss_mat`` token by token.
+    ``loss_mat`` token by token. ``linear_in_advantage`` declares ``loss_mat`` = A_t × a factor (zero
+    loss and gradient where A_t = 0; :data:`LINEAR_IN_ADVANTAGE`): the actor's ``skip_zero_adv_rows``
+    then applies to the mode.
     """
 
     def decorate(fn: Callable) -> Callable:
         registrar(POLICY_LOSSES, "policy loss")(name)(fn)
         if agg_mode is not None:
             FIXED_AGG_MODES[name] = agg_mode
+        if linear_in_advantage:
+            LINEAR_IN_ADVANTAGE.add(name)
         return fn
 
     return decorate
@@ -150,7 +159,7 @@ def _centred_cov(advantages: Tensor, log_prob: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, cov, -torch.inf)
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", linear_in_advantage=True)
 def vanilla_policy_loss(
     *,
     old_log_prob: Tensor,
@@ -183,7 +192,7 @@ def vanilla_policy_loss(
     }
 
 
-@register_policy_loss("gspo", agg_mode="seq-mean-token-mean")
+@register_policy_loss("gspo", agg_mode="seq-mean-token-mean", linear_in_advantage=True)
 def gspo_policy_loss(
     *,
     old_log_prob: Tensor,
@@ -213,7 +222,7 @@ def gspo_policy_loss(
     return loss, {"pg_clipfrac": _mean_or_zero(clipped, response_mask)}
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", linear_in_advantage=True)
 def cispo_policy_loss(
     *,
     old_log_prob: Tensor,

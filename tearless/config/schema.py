@@ -212,7 +212,8 @@ class ActorConfig:
     skip_zero_adv_rows: bool = doc(
         True,
         "on-policy updates skip the forward/backward of responses whose advantages are all 0 where their "
-        "gradient is exactly 0 (no entropy bonus, no KL loss, loss vanilla/gspo/cispo); same update",
+        "gradient is exactly 0 (no entropy bonus, no KL loss, a loss registered linear_in_advantage: "
+        "vanilla/gspo/cispo); same update",
     )
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)

@@ -36,7 +36,7 @@ from tearless.envs.base import Environment, Messages, Step, as_messages
 from tearless.envs.contain import Outcome, run_contained
 from tearless.envs.render import ChatRenderer
 from tearless.rollout.agent import AgentRollout, AgentSettings, agent_metrics
-from tearless.rollout.engine import RolloutOutput, left_pad
+from tearless.rollout.engine import RolloutOutput, left_pad, right_pad
 from tearless.rollout.seeds import mix, sample_keys
 from tearless.rollout.toolcalls import detect_family, parse_tool_calls
 
@@ -325,25 +325,14 @@ def pack(
     right-padded, attention 1 on every real response token."""
     prompt_ids, prompt_mask = left_pad(prompts, pad)
     width = max(1, max(len(r[0]) for r in responses))
-    rows = len(responses)
-    ids = torch.full((rows, width), pad, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    attention = torch.zeros((rows, width), dtype=torch.long)
-    logps = torch.zeros((rows, width), dtype=torch.float32)
-    for i, (r_ids, r_mask, r_logps) in enumerate(responses):
-        k = len(r_ids)
-        ids[i, :k] = torch.tensor(r_ids, dtype=torch.long)
-        mask[i, :k] = torch.tensor(r_mask, dtype=torch.long)
-        attention[i, :k] = 1
-        logps[i, :k] = torch.tensor(r_logps, dtype=torch.float32)
     return RolloutOutput(
         prompt_ids=prompt_ids,
         prompt_mask=prompt_mask,
-        response_ids=ids,
-        response_mask=mask,
-        log_probs=logps,
+        response_ids=right_pad([r[0] for r in responses], pad, torch.long, width),
+        response_mask=right_pad([r[1] for r in responses], 0, torch.long, width),
+        log_probs=right_pad([r[2] for r in responses], 0.0, torch.float32, width),
         truncated=torch.tensor(truncated, dtype=torch.bool),
-        response_attention_mask=attention,
+        response_attention_mask=right_pad([[1] * len(r[0]) for r in responses], 0, torch.long, width),
     )
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tearless.rollout.engine import RolloutEngine, RolloutOutput, left_pad
+from tearless.rollout.engine import RolloutEngine, RolloutOutput, left_pad, right_pad
 from tearless.rollout.seeds import mix, sample_keys
 from tearless.tools import ToolCall, ToolLike, function_schema, run_calls
 from tearless.tools.base import first_string_parameter
@@ -365,24 +365,14 @@ class AgentLoop:
         pad = self.engine.pad_token_id
         prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad)
         width = max(1, max(len(r.ids) for r in rows))
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        logps = torch.zeros((len(rows), width), dtype=torch.float32)
-        for i, r in enumerate(rows):
-            k = len(r.ids)
-            ids[i, :k] = torch.tensor(r.ids, dtype=torch.long)
-            mask[i, :k] = torch.tensor(r.mask, dtype=torch.long)
-            attention[i, :k] = 1
-            logps[i, :k] = torch.tensor(r.logps, dtype=torch.float32)
         out = RolloutOutput(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            response_ids=ids,
-            response_mask=mask,
-            log_probs=logps,
+            response_ids=right_pad([r.ids for r in rows], pad, torch.long, width),
+            response_mask=right_pad([r.mask for r in rows], 0, torch.long, width),
+            log_probs=right_pad([r.logps for r in rows], 0.0, torch.float32, width),
             truncated=torch.tensor([r.truncated for r in rows]),
-            response_attention_mask=attention,
+            response_attention_mask=right_pad([[1] * len(r.ids) for r in rows], 0, torch.long, width),
         )
         info = [
             {
@@ -394,7 +384,7 @@ class AgentLoop:
             }
             for r in rows
         ]
-        return AgentRollout(out, info, agent_metrics(info, mask, attention))
+        return AgentRollout(out, info, agent_metrics(info, out.response_mask, out.response_attention_mask))
 
 
 def agent_metrics(rows: list[dict], mask: torch.Tensor, attention: torch.Tensor) -> dict[str, float]:

@@ -100,6 +100,14 @@ def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def right_pad(rows: list[list], pad: float, dtype: torch.dtype, width: int) -> torch.Tensor:
+    """Stack per-response lists into a (B, ``width``) tensor, each row from column 0, ``pad`` after it."""
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
 class RolloutEngine(Protocol):
     """What the workers and the agent loop call on an engine."""
 

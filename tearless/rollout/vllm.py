@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from tearless.rollout.engine import Capabilities, RolloutOutput, left_pad
+from tearless.rollout.engine import Capabilities, RolloutOutput, left_pad, right_pad
 from tearless.rollout.seeds import mix, sample_keys
 
 logger = logging.getLogger(__name__)
@@ -433,23 +433,12 @@ class VLLMRollout:
         """Rows of tokens → a right-padded :class:`RolloutOutput` (EOS kept in the mask)."""
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token_id)
         width = max(1, max(len(r["ids"]) for r in rows))
-        count = len(rows)
-        ids = torch.full((count, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((count, width), dtype=torch.long)
-        logps = torch.zeros((count, width), dtype=torch.float32)
-        versions = torch.zeros((count, width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            length = len(r["ids"])
-            ids[i, :length] = torch.tensor(r["ids"], dtype=torch.long)
-            mask[i, :length] = 1
-            logps[i, :length] = torch.tensor(r["logps"], dtype=torch.float32)
-            versions[i, :length] = torch.tensor(r["versions"], dtype=torch.long)
         return RolloutOutput(
             prompt_ids=prompt_ids,
             prompt_mask=prompt_mask,
-            response_ids=ids,
-            response_mask=mask,
-            log_probs=logps,
+            response_ids=right_pad([r["ids"] for r in rows], self.pad_token_id, torch.long, width),
+            response_mask=right_pad([[1] * len(r["ids"]) for r in rows], 0, torch.long, width),
+            log_probs=right_pad([r["logps"] for r in rows], 0.0, torch.float32, width),
             truncated=torch.tensor([r["truncated"] for r in rows], dtype=torch.bool),
-            token_versions=versions,
+            token_versions=right_pad([r["versions"] for r in rows], 0, torch.long, width),
         )

@@ -7,10 +7,11 @@ step per mini-batch, non-finite steps skipped and counted). A rank of a worker g
 objects over its (possibly FSDP2-sharded) model.
 
 On-policy, responses whose advantages are all zero contribute exactly nothing to the gradient when
-every loss term is a multiple of A_t (no entropy bonus, no KL loss, a policy loss in
-:data:`LINEAR_IN_ADVANTAGE`): with ``skip_zero_adv_rows`` they are left out of the forward and backward
-(GRPO groups whose rewards are all equal), their share of the normalisers kept, their entropy metric
-taken from the rollout. The update is the same; only the float summation order changes.
+every loss term is a multiple of A_t (no entropy bonus, no KL loss, a policy loss registered as linear
+in the advantage: :data:`~tearless.algos.losses.LINEAR_IN_ADVANTAGE`): with ``skip_zero_adv_rows``
+they are left out of the forward and backward (GRPO groups whose rewards are all equal), their share
+of the normalisers kept, their entropy metric taken from the rollout. The update is the same; only
+the float summation order changes.
 """
 
 from __future__ import annotations
@@ -24,20 +25,11 @@ from tensordict import TensorDict
 
 from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
 from tearless.algos.groups import num_groups
+from tearless.algos.losses import LINEAR_IN_ADVANTAGE
 from tearless.config.derived import on_policy, policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
-from tearless.workers.schedule import (
-    UpdateSettings,
-    attention_mask,
-    micro_batches,
-    run_plan,
-    scheduled_update,
-    skipped_rows_metrics,
-)
-
-# Policy losses whose per-token term is A_t times a factor: a zero advantage gives a zero loss and gradient.
-LINEAR_IN_ADVANTAGE = ("vanilla", "gspo", "cispo")
+from tearless.workers.schedule import UpdateSettings, attention_mask, scheduled_update, skipped_rows_metrics
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: float, num_cycles: float):
@@ -56,7 +48,8 @@ def lr_lambda(total_steps: int, warmup_steps: int, kind: str, min_lr_ratio: floa
 
 
 class LogProbWorker:
-    """Forward-only log-probs of responses (the reference policy, or the actor's old log-probs)."""
+    """Log-probs of responses under one model (the reference policy, or the actor's old log-probs):
+    the forward of one micro-batch; a rank runs this role's share of a batch through it."""
 
     def __init__(
         self,
@@ -90,29 +83,10 @@ class LogProbWorker:
             fused_kernels=self.fused_kernels,
         )
 
-    def compute_log_prob(self, td: TensorDict, *, with_entropy: bool = False):
-        """(B, R) log-probs (and entropy) of ``td``'s responses, in micro-batches.
-
-        The forwards run under ``torch.inference_mode`` (no autograd bookkeeping at all); the results
-        are copied out of it so that they can enter a loss later as constants.
-        """
-        was_training = self.model.training
-        self.model.eval()
-        outs, ents = [], []
-        try:
-            with torch.inference_mode(), self.forward_context():
-                for mb in micro_batches(td, size=self.micro_batch_size):
-                    lp, ent = self.forward(mb, with_entropy=with_entropy)
-                    outs.append(lp.cpu())
-                    if ent is not None:
-                        ents.append(ent.cpu())
-        finally:
-            self.model.train(was_training)
-        return torch.cat(outs).clone(), (torch.cat(ents).clone() if ents else None)
-
     def forward_context(self):
-        """The context the forwards of :meth:`compute_log_prob` run in (a no-op here; the LoRA
-        reference disables the adapters)."""
+        """The context a rank runs this role's forward-only passes in
+        (:meth:`~tearless.workers.rank.Rank.compute_log_prob`; a no-op here, the LoRA reference
+        disables the adapters)."""
         return contextlib.nullcontext()
 
 
@@ -132,14 +106,13 @@ class Actor(LogProbWorker):
         model: torch.nn.Module,
         cfg: ActorConfig,
         *,
-        rollout_n: int,
+        settings: UpdateSettings,
         temperature: float,
         total_steps: int,
         log_prob_micro_batch_size: int | None = None,
         share_prompts: bool = True,
         remove_padding: bool = False,
         fused_kernels: bool = False,
-        loss_scale_factor: float | None = None,
     ):
         super().__init__(
             model,
@@ -150,14 +123,16 @@ class Actor(LogProbWorker):
             fused_kernels=fused_kernels,
         )
         self.cfg = cfg
-        # seq-mean-token-sum-norm's S; None (and no cfg.loss_scale_factor): the mini-batch's padded width.
-        self.loss_scale_factor = cfg.loss_scale_factor if loss_scale_factor is None else loss_scale_factor
-        self.rollout_n = rollout_n
+        self.settings = settings  # its update schedule, built once from the resolved config
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, cfg.optim, total_steps)
         self.skipped_steps = 0
 
     def micro_loss(self, mb: TensorDict, norm: dict, use_detached_old: bool) -> tuple[torch.Tensor, dict]:
+        """One micro-batch's globally normalised loss and metrics: the policy loss, minus
+        ``entropy_coeff`` × the entropy, plus ``kl_loss_coef`` × the KL to the reference (``norm``:
+        the mini-batch's normalisers, :func:`~tearless.workers.schedule.mini_batch_norm`); π_old is
+        the detached π_θ when ``use_detached_old`` (on-policy: the ratio is exactly 1)."""
         cfg = self.cfg
         need_entropy = "grad" if cfg.entropy_coeff != 0 else True
         log_prob, entropy = self.forward(mb, with_entropy=need_entropy)
@@ -196,31 +171,6 @@ class Actor(LogProbWorker):
             metrics["actor/kl_loss"] = kl_loss.detach()
         return loss, metrics
 
-    def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
-        """Run the PPO epochs over ``td`` (one training step's responses) in this process; return
-        averaged metrics. A worker group runs the same :func:`policy_update` across its ranks."""
-        detached = on_policy(self.cfg, num_groups(td["uid_index"]))
-        s = actor_settings(self.cfg, self.rollout_n, self.loss_scale_factor)
-
-        def run(work):
-            ((rows, steps),) = work
-            return [run_plan(self, rows, steps, s, lambda mb, norm: self.micro_loss(mb, norm, detached))]
-
-        return policy_update(
-            self.cfg,
-            self.rollout_n,
-            td,
-            1,
-            run,
-            generator=generator,
-            entropy_of=self.entropy_of,
-            loss_scale_factor=self.loss_scale_factor,
-        )
-
-    def entropy_of(self, rows: TensorDict) -> torch.Tensor:
-        """Entropies of ``rows``' response tokens from a forward without gradient."""
-        return self.compute_log_prob(rows, with_entropy=True)[1]
-
 
 def skips_zero_adv_rows(cfg: ActorConfig, num_prompts: int) -> bool:
     """Whether an update of ``num_prompts`` prompts leaves out responses with all-zero advantages:
@@ -234,7 +184,7 @@ def skips_zero_adv_rows(cfg: ActorConfig, num_prompts: int) -> bool:
     )
 
 
-def actor_settings(cfg: ActorConfig, rollout_n: int, loss_scale_factor: float | None) -> UpdateSettings:
+def actor_settings(cfg: ActorConfig, rollout_n: int, loss_scale_factor: float) -> UpdateSettings:
     """The schedule's view of an actor config section (with seq-mean-token-sum-norm's constant S)."""
     return UpdateSettings(
         rows_per_mini=cfg.ppo_mini_batch_size * rollout_n,
@@ -250,14 +200,13 @@ def actor_settings(cfg: ActorConfig, rollout_n: int, loss_scale_factor: float | 
 
 def policy_update(
     cfg: ActorConfig,
-    rollout_n: int,
+    settings: UpdateSettings,
     td: TensorDict,
     world: int,
     run_ranks: Callable,
     *,
     generator: torch.Generator | None,
     entropy_of: Callable[[TensorDict], torch.Tensor],
-    loss_scale_factor: float | None,
 ) -> dict[str, float]:
     """The actor's update in any placement (:func:`~tearless.workers.schedule.scheduled_update`):
     on-policy, rows whose advantages are all zero are left out when their gradient is exactly zero
@@ -275,7 +224,7 @@ def policy_update(
 
     out = scheduled_update(
         td,
-        actor_settings(cfg, rollout_n, loss_scale_factor),
+        settings,
         world,
         run_ranks,
         generator=generator,

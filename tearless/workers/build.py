@@ -86,8 +86,10 @@ class ModelBuilder:
     def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         """``build(real)`` as this rank's model: loaded as is without a mesh, else sharded from rank 0;
         marked to compute in ``role``'s ``param_dtype`` under autocast when that is a reduced dtype, on
-        CPU and on one GPU (sharded GPU models compute in it through FSDP2's mixed precision)."""
-        model = self._shard(build, role)
+        CPU and on one GPU (sharded GPU models compute in it through FSDP2's mixed precision). A
+        model the spec holds for ``role`` (:attr:`RankSpec.models`) replaces ``build``'s."""
+        given = self.spec.models.get(role)
+        model = self._shard(build if given is None else (lambda real: given), role)
         if self.device.type == "cpu" or self.mesh is None:
             dtype = compute_dtype(self.fsdp(role).param_dtype, self.device, role_key(role))
             if dtype != torch.float32:

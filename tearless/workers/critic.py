@@ -1,8 +1,9 @@
-"""The critic worker: values for GAE and the clipped value-loss update.
+"""The critic role: values for GAE and the clipped value-loss update.
 
-``compute_values`` runs before advantages (the values V(s_t) of the rollout-time critic); the
-update regresses the critic on the GAE returns with :func:`tearless.algos.value_loss`, on the same
-epochs × mini-batches × micro-batches schedule as the actor (:mod:`tearless.workers.schedule`).
+A rank forwards it before advantages (:meth:`~tearless.workers.rank.Rank.compute_values`: the values
+V(s_t) of the rollout-time critic); the update regresses the critic on the GAE returns with
+:func:`tearless.algos.value_loss`, on the same epochs × mini-batches × micro-batches schedule as the
+actor (:mod:`tearless.workers.schedule`), each rank running its share of the group's plan.
 """
 
 from __future__ import annotations
@@ -17,54 +18,39 @@ from tearless.algos import value_loss
 from tearless.config.derived import loss_scale_factor
 from tearless.models.value import response_values
 from tearless.workers.actor import make_optimizer
-from tearless.workers.schedule import (
-    UpdateSettings,
-    attention_mask,
-    micro_batches,
-    run_plan,
-    scheduled_update,
-)
+from tearless.workers.schedule import UpdateSettings, attention_mask
 
 
 class Critic:
     """A value model with its own AdamW, trained on ``returns`` with value clipping.
 
-    ``settings`` are the critic section with every null (inherit-from-actor) field already resolved:
+    ``resolved`` is the critic section with every null (inherit-from-actor) field already resolved
+    (:func:`critic_settings`):
     ``ppo_mini_batch_size`` (prompts), ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``,
     ``ppo_max_token_len_per_gpu``, ``ppo_epochs``, ``shuffle``, ``cliprange_value``, ``loss_agg_mode``,
-    ``loss_scale_factor``, ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``.
+    ``loss_scale_factor``, ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``;
+    ``settings`` their update schedule (:func:`update_settings`), both built once from the resolved
+    config.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        settings,
+        resolved,
         *,
-        rollout_n: int,
+        settings: UpdateSettings,
         total_steps: int,
         remove_padding: bool = False,
     ) -> None:
         self.model = model
         self.remove_padding = remove_padding
-        self.s = settings
-        self.rollout_n = rollout_n
+        self.s = resolved
+        self.settings = settings
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = make_optimizer(self.params, settings.optim, total_steps)
+        self.optimizer, self.scheduler = make_optimizer(self.params, resolved.optim, total_steps)
         self.skipped_steps = 0
 
-    @torch.no_grad()
-    def compute_values(self, td: TensorDict) -> torch.Tensor:
-        """(B, R) values of ``td``'s response positions, zero where the mask is 0."""
-        was_training = self.model.training
-        self.model.eval()
-        outs = []
-        for mb in micro_batches(td, size=self.s.forward_micro_batch_size_per_gpu):
-            values = self._values(mb)
-            outs.append(values.cpu() * mb["response_mask"])
-        self.model.train(was_training)
-        return torch.cat(outs)
-
-    def _values(self, mb: TensorDict) -> torch.Tensor:
+    def values(self, mb: TensorDict) -> torch.Tensor:
         """V(s_t) at each response position of the micro-batch, shape (B, R)."""
         return response_values(
             self.model,
@@ -76,7 +62,9 @@ class Critic:
         )
 
     def micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
-        vpreds = self._values(mb)
+        """One micro-batch's globally normalised clipped value loss (``norm``:
+        :func:`~tearless.workers.schedule.mini_batch_norm`) and its metrics."""
+        vpreds = self.values(mb)
         device = vpreds.device
         mask = mb["response_mask"].to(device)
         loss, metrics = value_loss(
@@ -92,17 +80,6 @@ class Critic:
         out = {"critic/vf_loss": loss.detach()}
         out.update({f"critic/{k}": v.detach() * share for k, v in metrics.items()})
         return loss, out
-
-    def update_critic(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
-        """Critic epochs over ``td`` (needs ``values`` and ``returns``) in this process; averaged metrics.
-        A worker group runs the same schedule across its ranks."""
-        s = update_settings(self.s, self.rollout_n)
-
-        def run(work):
-            ((rows, steps),) = work
-            return [run_plan(self, rows, steps, s, self.micro_loss)]
-
-        return scheduled_update(td, s, 1, run, generator=generator)
 
 
 def update_settings(settings, rollout_n: int) -> UpdateSettings:

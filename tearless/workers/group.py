@@ -24,16 +24,21 @@ from tensordict import TensorDict
 
 from tearless.algos.groups import num_groups
 from tearless.config import Config
-from tearless.config.derived import loss_scale_factor, on_policy
+from tearless.config.derived import on_policy
 from tearless.rollout.agent import agent_metrics
 from tearless.rollout.batch import Rollout
 from tearless.rollout.engine import concat_rollouts
 from tearless.workers.actor import policy_update
-from tearless.workers.critic import critic_settings, update_settings
 from tearless.workers.rank import Rank, RankMethod
-from tearless.workers.schedule import balanced_partition, count_micro_batches, row_tokens, scheduled_update
+from tearless.workers.schedule import (
+    UpdateSettings,
+    balanced_partition,
+    count_micro_batches,
+    row_tokens,
+    scheduled_update,
+)
 from tearless.workers.scoring import reward_metrics
-from tearless.workers.spec import RankSpec
+from tearless.workers.spec import RankSpec, role_settings
 
 
 def contiguous_split(count: int, parts: int) -> list[range]:
@@ -53,6 +58,7 @@ class WorkerGroup:
     cfg: Config
     pad_token_id: int
     device: str  # where the training ranks compute: trainer.device as the ranks resolved it
+    settings: dict[str, UpdateSettings]  # the trained roles' update settings (spec.role_settings)
 
     # ------------------------------------------------------------------ how calls reach the ranks
     def world_of(self, pool: str) -> int:
@@ -221,20 +227,22 @@ class WorkerGroup:
         detached = on_policy(arr.actor, num_groups(td["uid_index"])) and not bypass
         return policy_update(
             arr.actor,
-            arr.rollout.n,
+            self.settings["actor"],
             td,
             self.world_of("actor"),
             self._run("actor", detached),
             generator=generator,
             entropy_of=lambda rows: self.compute_log_prob("actor", rows, with_entropy=True)[1],
-            loss_scale_factor=loss_scale_factor(self.cfg),
         )
 
     def update_critic(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """The critic's epochs over ``td`` (needs ``values`` and ``returns``); averaged metrics."""
-        s = update_settings(critic_settings(self.cfg), self.cfg.actor_rollout_ref.rollout.n)
         return scheduled_update(
-            td, s, self.world_of("critic"), self._run("critic", False), generator=generator
+            td,
+            self.settings["critic"],
+            self.world_of("critic"),
+            self._run("critic", False),
+            generator=generator,
         )
 
     # ------------------------------------------------------------------ state
@@ -277,6 +285,7 @@ class LocalWorkers(WorkerGroup):
 
     def __init__(self, spec: RankSpec, pad_token_id: int) -> None:
         self.cfg, self.pad_token_id = spec.cfg, pad_token_id
+        self.settings = role_settings(spec.cfg)
         self.rank = Rank(0, 1, spec)
         try:
             self.rank.setup()

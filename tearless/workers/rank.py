@@ -38,7 +38,6 @@ import torch
 from tensordict import TensorDict
 
 from tearless.config import resume_compat
-from tearless.config.derived import loss_scale_factor
 from tearless.config.external import import_external_libs
 from tearless.cpu import configure_cpu
 from tearless.distributed.fsdp import (
@@ -51,23 +50,21 @@ from tearless.distributed.weight_sync import WeightBroadcast
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tearless.models.logprobs import response_logprobs
 from tearless.models.precision import configure_cuda
-from tearless.models.value import response_values
 from tearless.models.weights import hf_weights, save_model
 from tearless.run import guards
 from tearless.run.timer import Timer
-from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker, actor_settings
+from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker
 from tearless.workers.build import ModelBuilder, build_rollout, rollout_dtype
-from tearless.workers.critic import Critic, critic_settings, update_settings
+from tearless.workers.critic import Critic, critic_settings
 from tearless.workers.optim_state import load_optimizer, save_optimizer
 from tearless.workers.schedule import (
     all_ranks_agree,
-    attention_mask,
     micro_batches,
     pad_micro_batches,
     run_plan,
 )
 from tearless.workers.scoring import score_responses
-from tearless.workers.spec import RankSpec, resolve_device
+from tearless.workers.spec import RankSpec, resolve_device, role_settings
 
 ROLES = ("actor", "ref", "critic")
 TRAINED = ("actor", "critic")
@@ -160,18 +157,18 @@ class Rank:
         tok = arr.model.tokenizer_path or spec.model_path
         self.tokenizer = load_tokenizer(tok)
         self.models = ModelBuilder(spec, self.rank, self.world, self.mesh, self.device)
+        settings = role_settings(cfg)
         if "actor" in spec.roles:
             self.roles["actor"] = Actor(
                 self.models.causal_lm("actor", trained=True),
                 arr.actor,
-                rollout_n=arr.rollout.n,
+                settings=settings["actor"],
                 temperature=arr.rollout.temperature,
                 total_steps=spec.total_steps,
                 log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
                 share_prompts=arr.model.share_prompt_forward,
                 remove_padding=arr.model.use_remove_padding,
                 fused_kernels=arr.model.use_fused_kernels,
-                loss_scale_factor=loss_scale_factor(cfg),
             )
         if "ref" in spec.roles:
             ref_kw = dict(
@@ -189,7 +186,7 @@ class Rank:
             self.roles["critic"] = Critic(
                 self.models.value_model(),
                 critic_settings(cfg),
-                rollout_n=arr.rollout.n,
+                settings=settings["critic"],
                 total_steps=spec.total_steps,
                 remove_padding=cfg.critic.model.use_remove_padding,
             )
@@ -310,15 +307,7 @@ class Rank:
         try:
             with self._forward_mode():
                 for mb in pad_micro_batches(chunks, num_micro):
-                    values = response_values(
-                        critic.model,
-                        mb["prompt_ids"],
-                        mb["prompt_mask"],
-                        mb["response_ids"],
-                        attention_mask(mb),
-                        remove_padding=critic.remove_padding,
-                    )
-                    outs.append(values.cpu() * mb["response_mask"])
+                    outs.append(critic.values(mb).cpu() * mb["response_mask"])
         finally:
             critic.model.train(was_training)
         return torch.cat(outs[: len(chunks)]).clone()
@@ -327,24 +316,21 @@ class Rank:
     def update(
         self, role: str, td: TensorDict, steps: list[tuple], detached: bool = False
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """Run this rank's share of a role's planned optimizer steps (:func:`run_plan`); after the
+        """Run this rank's share of a role's planned optimizer steps (:func:`run_plan`) with the
+        role's loss and settings (``detached``: the actor's π_old is its detached π_θ); after the
         actor's, a separate engine in this process takes the new weights."""
         cfg = self.spec.cfg
         unit = self.roles[role]
         if role == "actor":
-            s = actor_settings(
-                cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n, unit.loss_scale_factor
-            )
 
             def loss_fn(mb, norm):
                 return unit.micro_loss(mb, norm, detached)
         else:
-            s = update_settings(unit.s, cfg.actor_rollout_ref.rollout.n)
             loss_fn = unit.micro_loss
         offload = self._optimizer_offloaded(role)
         if offload:
             move_optimizer_state(unit.optimizer, self.device)
-        additive, shared = run_plan(unit, td, steps, s, loss_fn, world=self.world)
+        additive, shared = run_plan(unit, td, steps, unit.settings, loss_fn, world=self.world)
         if offload:
             move_optimizer_state(unit.optimizer, "cpu")
         if role == "actor" and self.separate_engine:

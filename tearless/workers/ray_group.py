@@ -36,7 +36,7 @@ from tearless.rollout.engine import engine_capabilities
 from tearless.workers import reaper
 from tearless.workers.group import WorkerGroup
 from tearless.workers.rank import Rank, RankMethod
-from tearless.workers.spec import RankSpec
+from tearless.workers.spec import RankSpec, role_settings
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _POLL_S = 0.5
@@ -220,6 +220,7 @@ class RayWorkers(WorkerGroup):
         cfg = spec.cfg
         t, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
         self.cfg, self.pad_token_id = cfg, pad_token_id
+        self.settings = role_settings(cfg)
         world = t.nnodes * t.n_gpus_per_node
         split = rollout.nnodes * rollout.n_gpus_per_node
         roles = spec.roles

@@ -1,4 +1,5 @@
-"""What a rank of a worker group builds (:class:`RankSpec`), shared by the group, the rank and Ray."""
+"""What a rank of a worker group builds (:class:`RankSpec`), shared by the group, the rank and Ray,
+and the trained roles' update settings (:func:`role_settings`), built once from the resolved config."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Any
 import torch
 
 from tearless.config import Config, ConfigError
+from tearless.config.derived import loss_scale_factor
+from tearless.workers.actor import actor_settings
+from tearless.workers.critic import critic_settings, update_settings
+from tearless.workers.schedule import UpdateSettings
 
 
 def resolve_device(name: str) -> str:
@@ -30,7 +35,10 @@ class RankSpec:
     """What a rank builds. ``model_path`` holds the initial weights; ``resume_dir`` a checkpoint whose
     ``actor/`` (and ``critic/``) replace them; ``tool_config`` is the embedded task's tool YAML,
     used when ``multi_turn.tool_config_path`` is null. ``device`` is ``trainer.device`` as asked
-    (``auto`` included): each rank resolves it in its own process (:func:`resolve_device`)."""
+    (``auto`` included): each rank resolves it in its own process (:func:`resolve_device`).
+    ``models`` are roles' models already in memory, used as given instead of loading ``model_path``
+    (an in-process group, :class:`~tearless.workers.group.LocalWorkers`, over a model that a test
+    or a benchmark holds; the trainer gives none)."""
 
     cfg: Config
     roles: tuple[str, ...]
@@ -44,3 +52,17 @@ class RankSpec:
     resume_dir: str | None = None
     reward_fn: Callable[..., Any] | None = None
     tool_config: str | None = None
+    models: dict[str, torch.nn.Module] = dataclasses.field(default_factory=dict)
+
+
+def role_settings(cfg: Config) -> dict[str, UpdateSettings]:
+    """The update schedule of each trained role (``actor``, ``critic``) from the resolved config:
+    mini-batches of ``ppo_mini_batch_size × rollout.n`` rows, the critic's null fields taken from the
+    actor's (:func:`~tearless.workers.critic.critic_settings`), seq-mean-token-sum-norm's constant S
+    (:func:`~tearless.config.derived.loss_scale_factor`). A group builds them once to plan the
+    updates, a rank once for the roles it holds."""
+    n = cfg.actor_rollout_ref.rollout.n
+    return {
+        "actor": actor_settings(cfg.actor_rollout_ref.actor, n, loss_scale_factor(cfg)),
+        "critic": update_settings(critic_settings(cfg), n),
+    }

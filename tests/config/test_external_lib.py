@@ -76,8 +76,8 @@ def test_a_rank_imports_the_modules_before_it_builds_its_roles(fresh, overrides,
 
 @pytest.mark.slow
 def test_user_registered_names_train_exactly_as_the_builtins_they_copy(fresh, overrides, tmp_path):
-    # skip_zero_adv_rows is keyed by the built-in names it knows to be linear in the advantage
-    # (workers/actor.py LINEAR_IN_ADVANTAGE): off in both runs, so both take the same path.
+    # skip_zero_adv_rows applies to modes registered as linear in the advantage (the built-in vanilla;
+    # the user's copy does not declare it): off in both runs, so both take the same path.
     same = ("trainer.total_training_steps=2", "trainer.val_before_train=false", f"{SKIP}=false")
     runs = {}
     for name, extra in (("builtin", ()), ("user", (*USER, LIB))):

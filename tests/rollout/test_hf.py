@@ -14,7 +14,6 @@ from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout, filter_logits, left_pad
 from tearless.rollout.seeds import prompt_keys
-from tearless.workers.actor import LogProbWorker
 from tests.tolerances import LOGIT_BOUND, entropy_tol, logprob_tol
 
 # Different prompt lengths (7 to 9 tokens) so that left padding and positions matter; the answers
@@ -76,7 +75,9 @@ def test_prompts_of_one_row_and_of_a_batch_give_the_same_greedy_answer(setup):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sampler_log_probs_and_entropy_equal_the_actors_recomputed_ones(setup, temperature, dtype):
+def test_sampler_log_probs_and_entropy_equal_the_actors_recomputed_ones(
+    setup, local_workers, temperature, dtype
+):
     # The sampler's incremental KV-cache forward and the actor's one-pass forward over the padded
     # sequence do the same maths in a different order: they agree to the forward's rounding in the
     # model's dtype, then both take the log-softmax in float32 (measured: exactly equal in float64,
@@ -93,9 +94,9 @@ def test_sampler_log_probs_and_entropy_equal_the_actors_recomputed_ones(setup, t
         top_k=5,  # filtering changes what can be drawn, not the log-probs (those are unfiltered)
         keys=prompt_keys(3, 0, 0, len(prompts)),
     )
-    recomputed, entropy = LogProbWorker(model, temperature=temperature).compute_log_prob(
-        as_batch(out), with_entropy=True
-    )
+    # The trainer's π_old forward: its worker group's actor log-probs.
+    workers = local_workers(f"actor_rollout_ref.rollout.temperature={temperature}", models={"actor": model})
+    recomputed, entropy = workers.compute_log_prob("actor", as_batch(out), with_entropy=True)
     valid = out.response_mask.bool()
     bound = LOGIT_BOUND / temperature
     atol = logprob_tol(model.config, dtype, logit_bound=bound)

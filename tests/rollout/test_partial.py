@@ -18,7 +18,6 @@ from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout, concat_rollouts
 from tearless.rollout.seeds import prompt_keys
-from tearless.workers.actor import LogProbWorker
 from tests.rollout.test_hf import QUESTIONS, as_batch
 from tests.tolerances import LOGIT_BOUND, logprob_tol
 
@@ -92,13 +91,16 @@ def test_loading_the_same_weights_mid_response_changes_no_sample(setup):
     assert hook.calls >= 4
 
 
-def test_each_token_keeps_the_log_prob_of_the_policy_that_drew_it(setup):
+def test_each_token_keeps_the_log_prob_of_the_policy_that_drew_it(setup, local_workers):
     tok, model, other, prompts = setup
     swap = 2  # tokens 0..2 under the old weights, 3.. under the new ones
     sampler = copy.deepcopy(model)
     out = sample(tok, sampler, prompts, between_tokens=SwapAt(sampler, other.state_dict(), swap, 1))
-    old, _ = LogProbWorker(model, temperature=TEMPERATURE).compute_log_prob(as_batch(out))
-    new, _ = LogProbWorker(other, temperature=TEMPERATURE).compute_log_prob(as_batch(out))
+    hot = (
+        f"actor_rollout_ref.rollout.temperature={TEMPERATURE}"  # the trainer's actor log-probs of each policy
+    )
+    old, _ = local_workers(hot, models={"actor": model}).compute_log_prob("actor", as_batch(out))
+    new, _ = local_workers(hot, models={"actor": other}).compute_log_prob("actor", as_batch(out))
     mask = out.response_mask.bool()
     before = mask & (torch.arange(mask.shape[1]) <= swap)
     after = mask & (torch.arange(mask.shape[1]) > swap)

@@ -54,10 +54,13 @@ def test_mode_trains_with_the_common_metrics_and_no_collapse(overrides, tmp_path
 def test_actor_and_critic_get_the_response_cap_as_the_dr_grpo_normaliser(overrides, tmp_path):
     # data.max_response_length = 16 in the test config; the critic inherits the actor's S.
     cfg = load_config(None, overrides(tmp_path, "algorithm.adv_estimator=gae"), preset="dr_grpo")
-    roles = RLTrainer(cfg, log=lambda _: None).workers.rank.roles  # the single process: one rank here
-    assert roles["actor"].loss_scale_factor == 16.0 and roles["critic"].s.loss_scale_factor == 16.0
+    # The settings the group plans with, and those the roles of its one rank (single process) run with.
+    workers = RLTrainer(cfg, log=lambda _: None).workers
+    for settings in (workers.settings, {r: workers.rank.roles[r].settings for r in ("actor", "critic")}):
+        assert settings["actor"].loss_scale_factor == 16.0 and settings["critic"].loss_scale_factor == 16.0
     cfg = load_config(
         None, overrides(tmp_path, f"{A}.loss_scale_factor=64", "critic.enable=true"), preset="dr_grpo"
     )
-    roles = RLTrainer(cfg, log=lambda _: None).workers.rank.roles
-    assert roles["actor"].loss_scale_factor == 64.0 and roles["critic"].s.loss_scale_factor == 64.0
+    workers = RLTrainer(cfg, log=lambda _: None).workers
+    for settings in (workers.settings, {r: workers.rank.roles[r].settings for r in ("actor", "critic")}):
+        assert settings["actor"].loss_scale_factor == 64.0 and settings["critic"].loss_scale_factor == 64.0

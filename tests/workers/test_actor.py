@@ -1,20 +1,22 @@
-"""The actor's update: micro-batching never changes it, and its schedule and splitting are as documented."""
+"""The actor's update: micro-batching never changes it, and its schedule and splitting are as documented.
+
+Updates and forwards run through the trainer's own route: the in-process worker group
+(``local_workers``) plans, its rank runs the actor's loss with its settings from the config.
+"""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 from tensordict import TensorDict
 
-from tearless.algos import AGG_MODES
-from tearless.config.schema import ActorConfig, PolicyLossConfig
+from tearless.algos import AGG_MODES, POLICY_LOSSES, register_policy_loss
+from tearless.algos.losses import LINEAR_IN_ADVANTAGE
 from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout
 from tearless.rollout.seeds import prompt_keys
-from tearless.workers.actor import Actor, LogProbWorker, lr_lambda
+from tearless.workers.actor import lr_lambda
 from tearless.workers.schedule import micro_batches
 from tests.tolerances import LOGIT_BOUND, entropy_tol, eps, gradient_terms, logprob_tol, loss_rel, sum_tol
 
@@ -64,31 +66,6 @@ def build_batch(model_dir):
     return model, td
 
 
-def updated(model, td, lr=0.1, **actor_cfg):
-    """Run ``update_policy`` on a copy of ``model``; return the copy, its last gradients, the metrics.
-
-    The actor's AdamW is swapped for plain SGD: AdamW's first step is lr·g/(|g|+ε) per entry, which
-    is blind to a wrongly scaled gradient and turns float rounding in entries whose gradient is ~ε
-    into differences of up to lr. With SGD the parameter change is the gradient itself (times lr),
-    so equal parameters mean equal gradients of every mini-batch, the second one taken after the
-    first one's step.
-    """
-    settings = dict(
-        grad_clip=1e6,  # clipping rescales to unit norm and would hide a wrongly scaled gradient
-        use_kl_loss=True,
-        kl_loss_coef=0.1,
-        entropy_coeff=0.01,
-    )
-    cfg = ActorConfig(**{**settings, **actor_cfg})
-    copy_ = copy.deepcopy(model)
-    actor = Actor(copy_, cfg, rollout_n=N, temperature=1.0, total_steps=1)
-    actor.optimizer = torch.optim.SGD(actor.params, lr=lr)
-    actor.scheduler = torch.optim.lr_scheduler.LambdaLR(actor.optimizer, lambda _: 1.0)
-    metrics = actor.update_policy(td.clone())
-    grads = [p.grad.clone() for p in actor.params]  # the last mini-batch's gradient
-    return copy_, grads, metrics
-
-
 def update_terms(model, td) -> int:
     """The accumulation behind a gradient entry of an update on ``td``: every response token's
     contribution (a forward and a backward of the network) summed, at most all of the batch's."""
@@ -122,7 +99,9 @@ def metric_rel(model, td) -> float:
 
 @pytest.mark.parametrize("loss_agg_mode", list(AGG_MODES))
 @pytest.mark.parametrize("mini", [8, 4], ids=["one-minibatch-on-policy", "two-minibatches-off-policy"])
-def test_micro_batching_and_dynamic_batching_leave_the_update_unchanged(model_and_batch, loss_agg_mode, mini):
+def test_micro_batching_and_dynamic_batching_leave_the_update_unchanged(
+    model_and_batch, updated, loss_agg_mode, mini
+):
     model, td = model_and_batch
     common = dict(ppo_mini_batch_size=mini, loss_agg_mode=loss_agg_mode)
     # token-sum losses are ~100x larger than token-mean ones: scale the step so that every mode moves
@@ -146,9 +125,7 @@ def test_micro_batching_and_dynamic_batching_leave_the_update_unchanged(model_an
         other, other_grads, other_metrics = updated(model, td, **common, **extra)
         pairs = zip(whole.named_parameters(), other.parameters(), model.parameters(), strict=True)
         for (pname, a), b, start in pairs:
-            assert_same_sgd_result(
-                b, a, start, steps, terms, msg=lambda m, n=name, p=pname: f"{n}: {p}: {m}"
-            )
+            assert_same_sgd_result(b, a, start, steps, terms, msg=lambda m, n=name, p=pname: f"{n}: {p}: {m}")
         for (pname, _), a, b in zip(whole.named_parameters(), whole_grads, other_grads, strict=True):
             assert_same_gradient(
                 b / scale, a / scale, terms, msg=lambda m, n=name, p=pname: f"{n}: grad of {p}: {m}"
@@ -168,7 +145,7 @@ def test_micro_batching_and_dynamic_batching_leave_the_update_unchanged(model_an
         assert whole_metrics["actor/pg_clipfrac"] > 0
 
 
-def test_on_policy_update_ignores_old_log_prob(model_and_batch):
+def test_on_policy_update_ignores_old_log_prob(model_and_batch, updated):
     # One mini-batch, one epoch: the ratio is exactly 1, so old_log_prob is not needed (not even read).
     model, td = model_and_batch
     without = td.exclude("old_log_prob")
@@ -197,7 +174,7 @@ PG_ONLY = dict(use_kl_loss=False, entropy_coeff=0.0)
 )  # fmt: skip
 @pytest.mark.parametrize("entropy_source", ["rollout", "forward"])
 def test_skipping_zero_advantage_rows_leaves_the_update_and_its_metrics_unchanged(
-    model_and_batch, loss, entropy_source
+    model_and_batch, updated, loss, entropy_source
 ):
     model, td = model_and_batch
     mode, agg = loss
@@ -205,7 +182,7 @@ def test_skipping_zero_advantage_rows_leaves_the_update_and_its_metrics_unchange
     if entropy_source == "forward":
         td = td.exclude("rollout_entropy")
     common = dict(ppo_mini_batch_size=8, loss_agg_mode=agg, **PG_ONLY)
-    common["policy_loss"] = PolicyLossConfig(loss_mode=mode)
+    common["policy_loss.loss_mode"] = mode
     _, _, probe = updated(model, td, lr=0.0, skip_zero_adv_rows=False, **common)
     common["lr"] = 0.1 / probe["actor/grad_norm"]
     full, full_grads, full_m = updated(model, td, skip_zero_adv_rows=False, **common)
@@ -229,35 +206,57 @@ def test_skipping_zero_advantage_rows_leaves_the_update_and_its_metrics_unchange
     assert any(not a.equal(b) for a, b in zip(full.parameters(), model.parameters(), strict=True))
 
 
-def test_a_batch_without_signal_still_takes_its_optimizer_step(model_and_batch):
+def test_a_loss_registered_as_linear_in_the_advantage_leaves_zero_advantage_rows_out(
+    model_and_batch, updated
+):
+    # The same maths under two user names: only the one registered as linear in A_t is skipped.
+    model, td = model_and_batch
+    td = zero_groups(td, [0, 2, 5])
+    register_policy_loss("test_linear_vanilla", linear_in_advantage=True)(POLICY_LOSSES["vanilla"])
+    register_policy_loss("test_plain_vanilla")(POLICY_LOSSES["vanilla"])
+    try:
+        runs = {
+            name: updated(model, td, ppo_mini_batch_size=8, **PG_ONLY, **{"policy_loss.loss_mode": name})[2]
+            for name in ("test_linear_vanilla", "test_plain_vanilla")
+        }
+    finally:
+        for name in ("test_linear_vanilla", "test_plain_vanilla"):
+            POLICY_LOSSES.pop(name)
+            LINEAR_IN_ADVANTAGE.discard(name)
+    assert runs["test_linear_vanilla"]["actor/zero_adv_rows_skipped"] == 12 / 32
+    assert "actor/zero_adv_rows_skipped" not in runs["test_plain_vanilla"]
+
+
+def test_a_batch_without_signal_still_takes_its_optimizer_step(model_and_batch, updated):
     # Every advantage 0: the gradient is 0 and AdamW still decays the weights and its moments; one
     # row is forwarded so that the step, and every metric, happens as it would without skipping.
     model, td = model_and_batch
     td = zero_groups(td, list(range(8)))
     runs = {}
     for skip in (False, True):
-        cfg = ActorConfig(ppo_mini_batch_size=8, skip_zero_adv_rows=skip, **PG_ONLY)
-        cfg.optim.weight_decay = 0.1
-        actor = Actor(copy.deepcopy(model), cfg, rollout_n=N, temperature=1.0, total_steps=1)
-        runs[skip] = (actor, actor.update_policy(td.clone()))
+        actor = dict(ppo_mini_batch_size=8, skip_zero_adv_rows=skip, **PG_ONLY, **{"optim.weight_decay": 0.1})
+        trained, _, metrics = updated(model, td, sgd=False, **actor)
+        runs[skip] = (trained, metrics)
     (full, full_m), (skipped, skip_m) = runs[False], runs[True]
     assert skip_m["actor/zero_adv_rows_skipped"] == 31 / 32
     assert set(full_m) <= set(skip_m) and skip_m["actor/grad_norm"] == full_m["actor/grad_norm"] == 0.0
     # Exactly equal: both gradients are exact zeros (A = 0 times finite factors), so both AdamW steps
     # are the same pure weight decay of the same weights.
-    for a, b in zip(full.model.parameters(), skipped.model.parameters(), strict=True):
+    for a, b in zip(full.parameters(), skipped.parameters(), strict=True):
         torch.testing.assert_close(b, a, atol=0, rtol=0)
-    assert any(not a.equal(b) for a, b in zip(full.model.parameters(), model.parameters(), strict=True))
+    assert any(not a.equal(b) for a, b in zip(full.parameters(), model.parameters(), strict=True))
 
 
 @pytest.mark.parametrize(
     "settings",
     [dict(entropy_coeff=0.01, use_kl_loss=False), dict(entropy_coeff=0.0, use_kl_loss=True),
-     dict(**PG_ONLY, policy_loss=PolicyLossConfig(loss_mode="clip_cov")), dict(**PG_ONLY, ppo_epochs=2),
+     {**PG_ONLY, "policy_loss.loss_mode": "clip_cov"}, dict(**PG_ONLY, ppo_epochs=2),
      dict(**PG_ONLY, mini=4)],
     ids=["entropy-bonus", "kl-loss", "clip-cov", "two-epochs", "two-minibatches"],
 )  # fmt: skip
-def test_zero_advantage_rows_are_forwarded_when_their_gradient_is_not_zero(model_and_batch, settings):
+def test_zero_advantage_rows_are_forwarded_when_their_gradient_is_not_zero(
+    model_and_batch, updated, settings
+):
     # An entropy bonus or a KL loss has a gradient at A = 0; clip_cov centres over the batch; off
     # policy the ratio and its metrics (ppo_kl, clip fractions) involve every row.
     model, td = model_and_batch
@@ -267,11 +266,13 @@ def test_zero_advantage_rows_are_forwarded_when_their_gradient_is_not_zero(model
     assert "actor/zero_adv_rows_skipped" not in metrics
 
 
-def test_log_prob_worker_micro_batches_give_the_same_log_probs(model_and_batch):
+def test_log_prob_micro_batches_give_the_same_log_probs(model_and_batch, local_workers):
     model, td = model_and_batch
-    whole, ent = LogProbWorker(model, temperature=0.7).compute_log_prob(td, with_entropy=True)
-    parts, ent_parts = LogProbWorker(model, temperature=0.7, micro_batch_size=3).compute_log_prob(
-        td, with_entropy=True
+    hot = "actor_rollout_ref.rollout.temperature=0.7"
+    whole, ent = local_workers(hot, models={"actor": model}).compute_log_prob("actor", td, with_entropy=True)
+    micro = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"
+    parts, ent_parts = local_workers(hot, micro, models={"actor": model}).compute_log_prob(
+        "actor", td, with_entropy=True
     )
     mask = td["response_mask"].bool()
     # Other micro-batches, other padded widths: the forwards agree to rounding. Temperature 0.7

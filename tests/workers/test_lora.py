@@ -1,5 +1,6 @@
 """LoRA through peft: only adapters train, the reference is the base model with adapters off (no
-second copy), the merged checkpoint equals the adapted model, and LoRA GRPO learns end to end."""
+second copy), the merged checkpoint equals the adapted model, and LoRA GRPO learns end to end.
+Forwards and updates run through the trainer's in-process worker group (``local_workers``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,9 @@ import json
 import pytest
 import torch
 
-from tearless.config.schema import ActorConfig
 from tearless.models.loading import load_causal_lm
 from tearless.models.lora import add_lora, trainable_parameters
 from tearless.models.weights import save_model
-from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker
 from tests.tolerances import kl_of_equal_policies, logprob_tol
 from tests.workers.test_actor import build_batch
 
@@ -47,15 +46,21 @@ def test_only_adapters_require_grad_and_every_linear_layer_has_one(base_and_batc
     assert all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
-def test_reference_log_probs_are_the_base_models_and_the_adapters_come_back_on(base_and_batch):
+LORA = "actor_rollout_ref.model.lora_rank=4"  # the reference is then the actor's model, adapters off
+
+
+def log_probs(workers, role, td):
+    return workers.compute_log_prob(role, td)[0]
+
+
+def test_reference_log_probs_are_the_base_models_and_the_adapters_come_back_on(base_and_batch, local_workers):
     base, td = base_and_batch
     model = lora_copy(base)
-    base_lp, _ = LogProbWorker(base, temperature=1.0).compute_log_prob(td)
-    ref = AdapterOffLogProbWorker(model, temperature=1.0)
-    actor_view = LogProbWorker(model, temperature=1.0)
-    on_before, _ = actor_view.compute_log_prob(td)
-    ref_lp, _ = ref.compute_log_prob(td)
-    on_after, _ = actor_view.compute_log_prob(td)
+    base_lp = log_probs(local_workers(models={"ref": base}), "ref", td)
+    workers = local_workers(LORA, models={"actor": model}, roles=("actor", "ref"))
+    on_before = log_probs(workers, "actor", td)
+    ref_lp = log_probs(workers, "ref", td)
+    on_after = log_probs(workers, "actor", td)
     mask = td["response_mask"].bool()
     # Disabled adapters skip the LoRA branch entirely: the same ops on the same weights (a deep copy)
     # in the same batch layout as the base model, so exactly the same log-probs.
@@ -64,21 +69,26 @@ def test_reference_log_probs_are_the_base_models_and_the_adapters_come_back_on(b
     assert (on_before[mask] - base_lp[mask]).abs().max() > 1e-2
     # … and disabling them for the reference pass leaves them on afterwards.
     assert on_after.equal(on_before)
-    assert ref.model is model  # one set of weights
+    assert workers.rank.roles["ref"].model is model  # one set of weights
 
 
-def test_an_update_changes_only_the_adapters(base_and_batch):
+def test_an_update_changes_only_the_adapters(base_and_batch, local_workers):
     base, td = base_and_batch
     model = lora_copy(base)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    cfg = ActorConfig(ppo_mini_batch_size=8, use_kl_loss=True)
-    cfg.optim.lr = 1e-2
-    actor = Actor(model, cfg, rollout_n=4, temperature=1.0, total_steps=1)
-    assert sum(p.numel() for g in actor.optimizer.param_groups for p in g["params"]) == sum(
+    workers = local_workers(
+        LORA,
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        models={"actor": model},
+    )
+    optimizer = workers.rank.roles["actor"].optimizer
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == sum(
         v.numel() for v in adapters.values()
     )
-    metrics = actor.update_policy(td)
+    metrics = workers.update_policy(td)
     assert metrics["actor/grad_norm"] > 0
     for n, p in model.named_parameters():
         if n in frozen:
@@ -87,22 +97,23 @@ def test_an_update_changes_only_the_adapters(base_and_batch):
     assert len(changed) == len(adapters)
 
 
-def test_the_merged_model_loads_alone_and_equals_the_adapted_model(base_and_batch, tmp_path):
+def test_the_merged_model_loads_alone_and_equals_the_adapted_model(base_and_batch, local_workers, tmp_path):
     base, td = base_and_batch
     model = lora_copy(base)
     save_model(model, tmp_path / "merged", write=True, merged=True)
     merged = load_causal_lm(tmp_path / "merged")
     assert not any("lora" in n for n, _ in merged.named_parameters())
-    want, _ = LogProbWorker(model, temperature=1.0).compute_log_prob(td)
-    got, _ = LogProbWorker(merged, temperature=1.0).compute_log_prob(td)
+    adapted = local_workers(LORA, models={"actor": model}, roles=("actor", "ref"))
+    want = log_probs(adapted, "actor", td)
+    got = log_probs(local_workers(models={"actor": merged}), "actor", td)
     mask = td["response_mask"].bool()
     # W + s·B·A rounded once into the merged weights, against W·x + s·B·(A·x): the same maths in
     # another order, so the log-probs agree to the forward's rounding (the rank-4 branch and the one
     # rounding of each merged weight add a handful of terms to sums of ~1,000).
     torch.testing.assert_close(got[mask], want[mask], atol=logprob_tol(base.config), rtol=0)
     # The live base weights were not touched by the merge.
-    lp_base, _ = LogProbWorker(base, temperature=1.0).compute_log_prob(td)
-    ref_lp, _ = AdapterOffLogProbWorker(model, temperature=1.0).compute_log_prob(td)
+    lp_base = log_probs(local_workers(models={"ref": base}), "ref", td)
+    ref_lp = log_probs(adapted, "ref", td)
     torch.testing.assert_close(ref_lp[mask], lp_base[mask], atol=0, rtol=0)  # exact, as above
 
 

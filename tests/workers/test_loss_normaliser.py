@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.workers.schedule import UpdateSettings, mini_batch_norm, plan_updates
-from tests.workers.test_actor import assert_same_gradient, build_batch, metric_rel, update_terms, updated
+from tests.workers.test_actor import assert_same_gradient, build_batch, metric_rel, update_terms
 
 EXTRA = 5  # masked padding columns appended to every response
 
@@ -36,7 +36,7 @@ def batches(task):
     return model, td, padded(td, EXTRA)
 
 
-def test_the_normaliser_does_not_depend_on_how_wide_the_batch_is_padded(batches):
+def test_the_normaliser_does_not_depend_on_how_wide_the_batch_is_padded(batches, updated):
     model, narrow, wide = batches
     width = narrow["response_mask"].shape[1]
     common = dict(ppo_mini_batch_size=8, loss_agg_mode="seq-mean-token-sum-norm", lr=0.0)
@@ -48,8 +48,8 @@ def test_the_normaliser_does_not_depend_on_how_wide_the_batch_is_padded(batches)
         assert_same_gradient(b, a, terms)
     assert m_wide["actor/grad_norm"] == pytest.approx(m_narrow["actor/grad_norm"], rel=rel)
     # The padded width as S (the old normaliser) scales every term by width / (width + 5).
-    _, _, old_narrow = updated(model, narrow, **common)
-    _, _, old_wide = updated(model, wide, **common)
+    _, _, old_narrow = updated(model, narrow, loss_scale_factor=width, **common)
+    _, _, old_wide = updated(model, wide, loss_scale_factor=width + EXTRA, **common)
     ratio = old_wide["actor/grad_norm"] / old_narrow["actor/grad_norm"]
     assert ratio == pytest.approx(width / (width + EXTRA), rel=rel)
     assert old_narrow["actor/grad_norm"] == pytest.approx(m_narrow["actor/grad_norm"] * 16 / width, rel=rel)
