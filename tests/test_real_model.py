@@ -15,6 +15,7 @@ import pytest
 from tearless.cli import main
 from tearless.models.gguf import import_gguf
 from tearless.models.hub import add_to_hub_cache
+from tearless.models.precision import cpu_has_native_bf16
 from tests.real_model import HUB_ID, smollm2_gguf
 
 TINY = [
@@ -51,12 +52,20 @@ def steps_of(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_the_recipe_preset_trains_smollm2_by_its_hub_id(offline, tmp_path, capsys):
+def test_the_recipe_preset_trains_smollm2_by_its_hub_id(offline, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TEARLESS_CACHE", str(tmp_path / "cache"))  # where a native-bf16 CPU caches its probe
     assert main(["data", "make", "word_problems", "--output", str(tmp_path / "wp"), "--num-train", "8",
                  "--num-test", "2"]) == 0  # fmt: skip
     printed = capsys.readouterr().out.splitlines()[-1].split()
     run = tmp_path / "run"
     assert main([*printed[1:], *TINY, f"trainer.default_local_dir={run}"]) == 0
+    out = capsys.readouterr()
+    # the pretrained model's param_dtype=auto, resolved in one line for the one role (no reference)
+    (line,) = [x for x in (out.out + out.err).splitlines() if "param_dtype=auto -> " in x]
+    dtype = "bfloat16" if "bfloat16 for" in line else "float32"
+    assert f"-> {dtype} for actor_rollout_ref.actor (" in line
+    if not cpu_has_native_bf16():
+        assert dtype == "float32" and "no native bf16" in line
     steps = steps_of(run)
     assert [r["step"] for r in steps] == [1, 2]
     assert all(math.isfinite(r["actor/pg_loss"]) and r["response_length/mean"] > 0 for r in steps)

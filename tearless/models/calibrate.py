@@ -61,9 +61,10 @@ class PrecisionChoice:
     float32_s: float | None = None
     bfloat16_s: float | None = None
 
-    def line(self, keys: str) -> str:
-        """The one line the trainer prints at start for the ``auto`` keys ``keys``."""
-        return f"precision: {keys}=auto -> {self.dtype} ({self.reason})"
+    def line(self, sections: str) -> str:
+        """The one line the trainer prints at start for the config sections (``actor_rollout_ref.actor``,
+        …) whose ``fsdp_config.param_dtype`` was ``auto``."""
+        return f"precision: fsdp_config.param_dtype=auto -> {self.dtype} for {sections} ({self.reason})"
 
 
 def cpu_identity() -> dict[str, Any]:
@@ -104,7 +105,7 @@ def choose_cpu_dtype(
     if not (cpu_has_native_bf16() if native is None else native):
         return PrecisionChoice(
             "float32",
-            f"this CPU has no native bf16 ({' or '.join(NATIVE_BF16_FLAGS)}): bf16 would be emulated",
+            f"this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag): bf16 would be emulated",
         )
     key = {**cpu_identity(), "threads": threads, "shape": model_shape(config)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -225,13 +225,14 @@ class RLTrainer:
         :func:`~tearless.models.calibrate.choose_cpu_dtype` for the role's model. One line per choice."""
         cfg = self.cfg
         sections = {
-            "actor_rollout_ref.actor": (cfg.actor_rollout_ref.actor.fsdp_config, model_path),
-            "actor_rollout_ref.ref": (cfg.actor_rollout_ref.ref.fsdp_config, model_path),
-            "critic.model": (cfg.critic.model.fsdp_config, cfg.critic.model.path or model_path),
+            "actor_rollout_ref.actor": (cfg.actor_rollout_ref.actor.fsdp_config, model_path, "actor"),
+            "actor_rollout_ref.ref": (cfg.actor_rollout_ref.ref.fsdp_config, model_path, "ref"),
+            "critic.model": (cfg.critic.model.fsdp_config, cfg.critic.model.path or model_path, "critic"),
         }
+        active = roles(cfg)
         by_path: dict[str, list[str]] = {}
-        for prefix, (fsdp, path) in sections.items():
-            if fsdp.param_dtype == "auto":
+        for prefix, (fsdp, path, role) in sections.items():
+            if fsdp.param_dtype == "auto" and role in active:  # a role not built stays unresolved
                 by_path.setdefault(path, []).append(prefix)
         gpu = resolve_device(cfg.trainer.device) == "cuda"
         for path, prefixes in by_path.items():
@@ -248,7 +249,7 @@ class RLTrainer:
             for prefix in prefixes:
                 sections[prefix][0].param_dtype = choice.dtype
                 self._auto_precision.add(prefix + ".fsdp_config.param_dtype")
-            self.log(choice.line(", ".join(p + ".fsdp_config.param_dtype" for p in prefixes)))
+            self.log(choice.line(", ".join(prefixes)))
 
     def _announce_autocast(self, roles: Sequence[str], device: str) -> None:
         """One line naming the roles that compute under bf16 autocast on CPU (it changes speed and

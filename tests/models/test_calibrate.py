@@ -66,7 +66,11 @@ def test_measured_choice_is_cached_per_machine_and_model(tmp_path):
     choice = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=2, native=True, timer=timer)
     assert choice.dtype == "bfloat16"
     assert (choice.float32_s, choice.bfloat16_s) == (17.0, 9.0)
-    assert "1.89x" in choice.line("actor_rollout_ref.actor.fsdp_config.param_dtype")
+    line = choice.line("actor_rollout_ref.actor")
+    assert line.startswith(
+        "precision: fsdp_config.param_dtype=auto -> bfloat16 for actor_rollout_ref.actor ("
+    )
+    assert "1.89x" in line and "\n" not in line
     (cached,) = (tmp_path / "precision").glob("*.json")
     assert json.loads(cached.read_text())["choice"]["dtype"] == "bfloat16"
     again = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=2, native=True, timer=refuse)
