@@ -15,11 +15,14 @@ For one case (``--case small|medium``, the models and batches of ``vs_trl.py``):
   the same update with its prompt sharing off and padding removed (``share_prompt_forward=false,
   use_remove_padding=true``), which forwards every valid token once and nothing else: the bare
   step's work less its padding (the fraction on equal work).
+- log-probs (the π_old and reference passes): the group's ``compute_log_prob`` against one no-grad
+  forward of the same padded tokens with the log-softmax at the response positions.
 - orchestration: ``RLTrainer.train_step`` over ``--steps`` steps (the first left out), split into
   the trainer's own phase timers; the share outside rollout and update, and outside every model pass
   and the reward scoring.
 
-``--case`` takes ``small``, ``medium`` or a ``diverge-L{length}-H{hidden}-C{completions}`` case of
+``--case`` takes ``small``, ``medium``, ``smollm2-L{length}`` (the real model) or a
+``diverge-L{length}-H{hidden}-C{completions}`` case of
 ``cases.py`` (the TRL grid's points); ``--dtype bfloat16`` runs every pass of both sides under CPU
 autocast (the model marked with ``set_compute_dtype``, the engine's ``compute_dtype``, the bare loops
 inside ``torch.autocast``), float32 weights and AdamW on both; ``--kernels-only`` skips the training
@@ -100,6 +103,21 @@ def bare_update(model, optimizer, td: TensorDict, dtype: torch.dtype | None = No
     optimizer.step()
 
 
+@torch.no_grad()
+def bare_log_prob(model, td: TensorDict, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The practical ceiling of a log-prob pass (π_old, the reference): one no-grad forward of the
+    padded tokens, log-softmax at the response positions."""
+    from tearless.algos import logprobs_from_logits
+
+    ids = torch.cat([td["prompt_ids"], td["response_ids"]], 1)
+    attn = torch.cat([td["prompt_mask"], td["response_mask"]], 1)
+    width = td["response_ids"].shape[1]
+    with autocast("cpu", dtype):
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                       logits_to_keep=width + 1).logits[:, :-1].float()  # fmt: skip
+    return logprobs_from_logits(logits, td["response_ids"])
+
+
 def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = torch.float32) -> dict:
     from tearless.models.loading import load_causal_lm, load_tokenizer
     from tearless.rollout.hf import HFRollout, left_pad
@@ -123,6 +141,7 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
     )
     bare_opt = torch.optim.AdamW(model.parameters(), lr=case.lr, weight_decay=0.01)
     ours_gen, bare_gen, ours_upd, bare_upd, equal_upd, padding = [], [], [], [], [], []
+    ours_lp, bare_lp = [], []
     seconds: dict[str, list[float]] = {"rollout": [], "bare_decode": [], "update": [], "bare_update": []}
     for r in range(repeats + 1):  # the first repeat warms up and is dropped
         gen = torch.Generator().manual_seed(seed + r)
@@ -146,6 +165,12 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
         )  # fmt: skip
         tokens = td["prompt_ids"].numel() + td["response_ids"].numel()
         start = time.perf_counter()
+        actor.compute_log_prob("actor", td)
+        t_lp = time.perf_counter() - start
+        start = time.perf_counter()
+        bare_log_prob(model, td, dtype)
+        t_bare_lp = time.perf_counter() - start
+        start = time.perf_counter()
         actor.update_policy(td)
         t_upd = time.perf_counter() - start
         start = time.perf_counter()
@@ -160,6 +185,8 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
             ours_upd.append(tokens / t_upd)
             bare_upd.append(tokens / t_bare_upd)
             equal_upd.append(tokens / t_equal)
+            ours_lp.append(tokens / t_lp)
+            bare_lp.append(tokens / t_bare_lp)
             padding.append(1 - (int(td["prompt_mask"].sum()) + useful) / tokens)
             for key, t in zip(seconds, (t_ours, t_bare, t_upd, t_bare_upd), strict=True):
                 seconds[key].append(t)
@@ -167,7 +194,7 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
             f"repeat {r}: rollout {useful / t_ours:.0f} tok/s vs bare {bare_tokens / t_bare:.0f}; "
             f"update {tokens / t_upd:.0f} tok/s, without sharing {tokens / t_equal:.0f}, "
             f"vs bare {tokens / t_bare_upd:.0f} (padded tokens per second; {t_upd:.2f} / {t_equal:.2f} / "
-            f"{t_bare_upd:.2f} s)",
+            f"{t_bare_upd:.2f} s); log-probs {tokens / t_lp:.0f} tok/s vs bare {tokens / t_bare_lp:.0f}",
             flush=True,
         )
     med = statistics.median
@@ -181,6 +208,9 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
         "update_unshared_tok_s": med(equal_upd),
         "update_unshared_fraction_of_bare": med(o / b for o, b in zip(equal_upd, bare_upd, strict=True)),
         "padding_share_of_bare_tokens": med(padding),
+        "log_prob_tok_s": med(ours_lp),
+        "bare_log_prob_tok_s": med(bare_lp),
+        "log_prob_fraction_of_bare": med(o / b for o, b in zip(ours_lp, bare_lp, strict=True)),
         "median_s": {k: med(v) for k, v in seconds.items()},
     }
 
