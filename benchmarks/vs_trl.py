@@ -176,9 +176,12 @@ def run_tearless(
     }
 
 
-def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int, bf16: bool = False) -> dict:
+def run_trl(
+    case: Case, steps: int, seed: int, threads: int, eval_prompts: int, bf16: bool = False, vllm: bool = False
+) -> dict:
     """TRL's ``GRPOTrainer`` on ``case``; ``bf16``: its mixed precision on (accelerate's CPU autocast
-    over float32 master weights, TRL's own default), else float32 throughout."""
+    over float32 master weights, TRL's own default), else float32 throughout; ``vllm``: its colocated
+    vLLM engine generates (``use_vllm=True, vllm_mode="colocate"``; needs vLLM in TRL's environment)."""
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -242,7 +245,8 @@ def run_trl(case: Case, steps: int, seed: int, threads: int, eval_prompts: int, 
             scale_rewards="group",
             epsilon=0.2,
             num_iterations=1,
-            use_vllm=False,
+            use_vllm=vllm,
+            vllm_mode="colocate",
             gradient_checkpointing=False,
             bf16=bf16,
             fp16=False,
@@ -286,7 +290,7 @@ def worker(args) -> None:
     if args.worker == "tearless":
         result = run_tearless(*common, args.tearless_set)
     else:
-        result = run_trl(*common, bf16=args.trl_bf16)
+        result = run_trl(*common, bf16=args.trl_bf16, vllm=args.trl_vllm)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -311,6 +315,7 @@ def run_fresh(
     tearless_set: Sequence[str] = (),
     trl_bf16: bool = False,
     python: str = sys.executable,
+    trl_vllm: bool = False,
 ) -> dict:
     """One run of framework ``name`` ("tearless" or "trl") on ``case`` in a fresh process, with the
     1-minute load average before and after it and the process's wall time; ``tearless_set``: extra
@@ -322,6 +327,7 @@ def run_fresh(
     cmd += ["--eval-prompts", str(eval_prompts)]
     cmd += [f"--tearless-set={kv}" for kv in tearless_set if name == "tearless"]
     cmd += ["--trl-bf16"] if trl_bf16 and name == "trl" else []
+    cmd += ["--trl-vllm"] if trl_vllm and name == "trl" else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -345,9 +351,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternations of tearless and TRL")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--seed-per-round",
+        action="store_true",
+        help="round r (from 0) runs both frameworks with seed + r: the held-out accuracies become one "
+        "sample per seed instead of one number repeated",
+    )
     ap.add_argument("--eval-prompts", type=int, default=100)
     ap.add_argument("--tearless-set", action="append", default=[], metavar="KEY=VALUE", help=SET_HELP)
     ap.add_argument("--trl-bf16", action="store_true", help=TRL_BF16_HELP)
+    ap.add_argument("--trl-vllm", action="store_true", help="TRL generates with its colocated vLLM engine")
     ap.add_argument("--tearless-python", default=sys.executable, help="interpreter of tearless's runs")
     ap.add_argument("--trl-python", default=sys.executable, help="interpreter of TRL's runs")
     ap.add_argument("--worker", choices=["tearless", "trl"], help=argparse.SUPPRESS)
@@ -364,11 +377,12 @@ def main() -> None:
                 args.case,
                 args.steps,
                 args.threads,
-                args.seed,
+                args.seed + r if args.seed_per_round else args.seed,
                 args.eval_prompts,
                 args.tearless_set,
                 args.trl_bf16,
                 args.tearless_python if name == "tearless" else args.trl_python,
+                args.trl_vllm,
             )
             load = result["load_before"]
             runs[name].append(result)
@@ -388,6 +402,7 @@ def main() -> None:
     med = {k: statistics.median(t for run in v for t in run["step_s"][1:]) for k, v in runs.items()}
     report = {
         "case": args.case,
+        "seeds": [args.seed + r if args.seed_per_round else args.seed for r in range(args.rounds)],
         "tearless_set": args.tearless_set,
         "trl_bf16": args.trl_bf16,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
