@@ -261,7 +261,9 @@ def measure_steps(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", default="small", help="small, medium, smollm2-L<length> or diverge-L<length>-H<hidden>-C<n>")
+    ap.add_argument(
+        "--case", default="small", help="small, medium, smollm2-L<length> or diverge-L<length>-H<hidden>-C<n>"
+    )
     ap.add_argument(
         "--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype, both sides"
     )
