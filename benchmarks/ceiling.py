@@ -83,30 +83,10 @@ def bare_decode(model, ids: torch.Tensor, attn: torch.Tensor, steps: int, genera
     return ids.shape[0] * steps
 
 
-def bare_update(model, optimizer, td: TensorDict, dtype: torch.dtype | None = None) -> None:
-    """Forward, policy-gradient loss, backward, clip and AdamW on ``td``'s padded tokens; the forward
-    under CPU autocast to ``dtype`` (None: float32), the loss on float32 logits."""
-    from tearless.algos import logprobs_from_logits
-
-    ids = torch.cat([td["prompt_ids"], td["response_ids"]], 1)
-    attn = torch.cat([td["prompt_mask"], td["response_mask"]], 1)
-    width = td["response_ids"].shape[1]
-    with autocast("cpu", dtype):
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                       logits_to_keep=width + 1).logits[:, :-1].float()  # fmt: skip
-    mask = td["response_mask"]
-    lp = logprobs_from_logits(logits, td["response_ids"])
-    loss = -(lp * td["advantages"] * mask).sum() / mask.sum()
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-
-
-@torch.no_grad()
-def bare_log_prob(model, td: TensorDict, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The practical ceiling of a log-prob pass (π_old, the reference): one no-grad forward of the
-    padded tokens, log-softmax at the response positions."""
+def bare_log_probs(model, td: TensorDict, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(B, R) log-probs of ``td``'s responses from one forward of its padded tokens (logits at the
+    response positions only, upcast to float32 before the log-softmax), under CPU autocast to ``dtype``
+    (None: float32)."""
     from tearless.algos import logprobs_from_logits
 
     ids = torch.cat([td["prompt_ids"], td["response_ids"]], 1)
@@ -116,6 +96,16 @@ def bare_log_prob(model, td: TensorDict, dtype: torch.dtype | None = None) -> to
         logits = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                        logits_to_keep=width + 1).logits[:, :-1].float()  # fmt: skip
     return logprobs_from_logits(logits, td["response_ids"])
+
+
+def bare_update(model, optimizer, td: TensorDict, dtype: torch.dtype | None = None) -> None:
+    """Forward, policy-gradient loss, backward, clip and AdamW on ``td``'s padded tokens."""
+    mask = td["response_mask"]
+    loss = -(bare_log_probs(model, td, dtype) * td["advantages"] * mask).sum() / mask.sum()
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
 
 
 def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = torch.float32) -> dict:
@@ -168,7 +158,8 @@ def measure_kernels(case: Case, repeats: int, seed: int, dtype: torch.dtype = to
         actor.compute_log_prob("actor", td)
         t_lp = time.perf_counter() - start
         start = time.perf_counter()
-        bare_log_prob(model, td, dtype)
+        with torch.no_grad():  # the ceiling of a log-prob pass (π_old, the reference)
+            bare_log_probs(model, td, dtype)
         t_bare_lp = time.perf_counter() - start
         start = time.perf_counter()
         actor.update_policy(td)
