@@ -421,6 +421,13 @@ def main() -> None:
             k: [statistics.mean(run["response_length"]) for run in v] for k, v in runs.items()
         },
         "peak_rss_mb": {k: max(max(run["peak_rss_mb"]) for run in v) for k, v in runs.items()},
+        # Where tearless's steady steps go (its phase timers), medians over every run's steps.
+        "tearless_phase_s": {
+            phase: statistics.median(
+                p[phase] for run in runs["tearless"] for p in run["phases"][1:] if phase in p
+            )
+            for phase in runs["tearless"][0]["phases"][-1]
+        },
         "load_average": [run["load_before"] for v in runs.values() for run in v],
     }
     print(json.dumps(report, indent=1))
