@@ -117,7 +117,14 @@ def choose_cpu_dtype(
         )
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    fp32, bf16 = extrapolated_step_seconds(config, timer or probe_step_seconds)
+    # The probe seeds its random model and may draw dropout masks: the run's global RNG streams must
+    # come out as they went in (a first run that measures and a later one that reads the cache draw
+    # the same numbers), and its model must not outlive the measurement.
+    with torch.random.fork_rng(devices=[]):
+        try:
+            fp32, bf16 = extrapolated_step_seconds(config, timer or probe_step_seconds)
+        finally:
+            _PROBES.clear()
     speedup = fp32 / bf16
     dtype = "bfloat16" if speedup >= SPEEDUP_TO_SWITCH else "float32"
     choice = PrecisionChoice(
@@ -169,7 +176,7 @@ def _with_depth(config: Any, depth: int) -> Any:
 def probe_step_seconds(config: Any, dtype: torch.dtype) -> float:
     """Seconds of one forward + backward of a random-weight model of ``config`` on
     ``PROBE_ROWS × PROBE_TOKENS`` random tokens, computing in ``dtype`` (autocast for bf16); the model
-    is built once per config and kept for the next call."""
+    is built once per config and kept for the next call (:func:`choose_cpu_dtype` drops it when done)."""
     from transformers import AutoModelForCausalLM  # heavy; only a native-bf16 CPU gets here
 
     key = config.to_json_string()

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from tearless.models.calibrate import (
+    _PROBES,
     PROBE_DEPTHS,
     PROBE_PAIRS,
     SPEEDUP_TO_SWITCH,
@@ -113,10 +114,16 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path):
 
 
 def test_the_real_probe_times_a_forward_and_backward(tmp_path):
-    """The probe on a real (tiny) Llama: positive finite times, and the choice follows the threshold."""
+    """The probe on a real (tiny) Llama: positive finite times, and the choice follows the threshold;
+    the run's global RNG comes out as it went in and no probe model is kept."""
     config = llama(3)
     assert probe_step_seconds(config, torch.float32) > 0
+    torch.manual_seed(123)
     choice = choose_cpu_dtype(config, cache_dir=tmp_path, threads=torch.get_num_threads(), native=True)
+    after = torch.rand(4)
+    torch.manual_seed(123)
+    assert torch.equal(after, torch.rand(4))
+    assert not _PROBES
     fp32, bf16 = choice.float32_s, choice.bfloat16_s
     assert math.isfinite(fp32) and math.isfinite(bf16) and fp32 > 0 and bf16 > 0
     assert choice.dtype == ("bfloat16" if fp32 / bf16 >= SPEEDUP_TO_SWITCH else "float32")
