@@ -72,7 +72,7 @@ def small_case(cache: Path | None = None) -> Case:
 
 
 def medium_case(cache: Path | None = None) -> Case:
-    from tearless.tasks.bootstrap import default_cache_dir
+    from tearless.cachedir import default_cache_dir
 
     root = (cache or default_cache_dir()) / f"bench-long-addition-512x8-w{MEDIUM_WARMUP_STEPS}"
     if not (root / "done.json").is_file():
@@ -137,7 +137,7 @@ def diverge_name(length: int, hidden: int, completions: int) -> str:
 def diverge_case(length: int, hidden: int, completions: int, cache: Path | None = None) -> Case:
     """The untrained-model case at response length ``length``, hidden size ``hidden`` and
     ``completions`` samples per step (8 per prompt)."""
-    from tearless.tasks.bootstrap import default_cache_dir
+    from tearless.cachedir import default_cache_dir
 
     if completions % 8 or length < 1 or length > 480:
         raise ValueError(
@@ -189,7 +189,7 @@ def build_diverge(root: Path, model_dir: Path, hidden: int, *, seed: int = 1) ->
 
 def smollm2_case(length: int, cache: Path | None = None) -> Case:
     """The real-model case at response length ``length`` (files shared by every length)."""
-    from tearless.tasks.bootstrap import default_cache_dir
+    from tearless.cachedir import default_cache_dir
 
     root = (cache or default_cache_dir()) / "bench-smollm2-word-problems"
     if not (root / "model" / "config.json").is_file():
@@ -224,6 +224,50 @@ def build_smollm2(root: Path) -> None:
     gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     make_task("word_problems", root)
     import_gguf(gguf, root / "model")
+
+
+def short_run(case: Case, steps: int, *extra: str) -> list[dict]:
+    """The metrics rows of a ``steps``-step run of ``case`` through :func:`tearless.train` in a temporary
+    directory (no validation, no checkpoint, jsonl only), with ``extra`` overrides applied last."""
+    import tempfile
+
+    from tearless import train
+    from tearless.run.tracking import read_metrics
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [
+            f"actor_rollout_ref.model.path={case.model_dir}",
+            f"data.train_files={case.train_file}",
+            f"data.val_files={case.val_file}",
+            f"data.train_batch_size={case.prompts_per_step}",
+            f"actor_rollout_ref.rollout.n={case.n}",
+            f"data.max_response_length={case.max_new_tokens}",
+            f"actor_rollout_ref.rollout.temperature={case.temperature}",
+            f"trainer.total_training_steps={steps}",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+            "trainer.save_final_checkpoint=false",
+            "trainer.logger=[jsonl]",
+            "reward_model.num_workers=0",
+            f"trainer.default_local_dir={tmp}/run",
+            *extra,
+        ]
+        train(None, overrides, log=lambda _: None)
+        return read_metrics(Path(tmp) / "run" / "metrics.jsonl")
+
+
+def vllm_run(case_name: str, steps: int, *extra: str) -> list[dict]:
+    """:func:`short_run` of the case named ``case_name`` through the vLLM engine, one optimizer step per
+    RL step (the mini-batch is the step's prompts), with ``extra`` overrides applied last."""
+    case = make_case(case_name)
+    return short_run(
+        case,
+        steps,
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={case.prompts_per_step}",
+        "actor_rollout_ref.rollout.name=vllm",
+        *extra,
+    )
 
 
 def make_case(name: str, cache: Path | None = None) -> Case:

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
+from tearless.cachedir import default_cache_dir
 from tearless.config import load_config
 from tearless.flow.config import FlowConfig
 from tearless.flow.pretrain import pretrained_base
 from tearless.flow.tasks import make_task
 from tearless.flow.trainer import FlowGRPOTrainer
 from tearless.run.tracking import read_metrics
-from tearless.tasks.bootstrap import default_cache_dir
 
 POINTS = ["task.name=points2d", "trainer.test_freq=10", "train.epochs=150"]
 SHAPES = ["task.name=shapes", "train.lr=3e-3", "trainer.test_freq=25", "sample.eval_samples_per_prompt=128"]

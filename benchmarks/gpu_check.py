@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                 # on a GPU machine: ≤ 5 minutes on one H100
     python benchmarks/gpu_check.py --dry-run       # the same checks on CPU, tiny sizes (CI runs this)
+    python benchmarks/gpu_check.py --tier real     # the real-scale tier (benchmarks/gpu_scale.py)
 
 Each check prints its numbers and a ``PASS``/``FAIL`` line; the last line is
 ``gpu_check: N passed, M failed`` (exit status 1 when any failed). ``--out DIR`` also writes every
@@ -31,6 +32,12 @@ The checks:
 
 On a CPU (``--dry-run``, or no GPU) the same code runs with gloo in NCCL's place, no CUDA graphs and
 small sizes, so the script cannot rot between the rare sessions that have a GPU.
+
+``--tier real`` runs instead, for each of ``--shapes`` (Qwen2.5-0.5B and 1.5B by default), the
+``update_<shape>`` and ``decode_<shape>`` checks of :mod:`gpu_scale` (``--sequences`` rows of a
+``--prompt``-token prompt and a ``--response``-token response): s/update, tokens/s, MFU, peak memory
+beside the start-up estimate; decode tokens/s, its share of the HBM-bandwidth limit and HF generate's.
+Its dry run uses a tiny shape.
 """
 
 from __future__ import annotations
@@ -427,6 +434,30 @@ def grpo_default_bf16(task, work: Path, device: str, steps: int) -> dict:
             "ok": numbers["steps"] == steps and numbers["finite"]}  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------------- real scale
+def real_scale_checks(task, device: str, args) -> dict[str, Callable[[], None]]:
+    """The real-scale tier's checks (benchmarks/gpu_scale.py), one update and one decode per shape."""
+    import gpu_scale  # beside this script: python puts its directory first on sys.path
+
+    shapes = ["dry"] if device == "cpu" else args.shapes.split(",")
+    rows, prompt, response = (16, 8, 16) if device == "cpu" else (args.sequences, args.prompt, args.response)
+    checks: dict[str, Callable[[], None]] = {}
+    for shape in shapes:
+
+        @check(f"update_{shape}")
+        def update(shape=shape) -> dict:
+            numbers = gpu_scale.update(task, shape, device, rows, prompt, response, repeats=2)
+            return {**numbers, "ok": numbers["finite"]}
+
+        @check(f"decode_{shape}")
+        def decode(shape=shape) -> dict:
+            numbers = gpu_scale.decode(shape, device, rows, prompt, response)
+            return {**numbers, "ok": numbers["tok_s"] > 0 and numbers["hf_generate_tok_s"] > 0}
+
+        checks[f"update_{shape}"], checks[f"decode_{shape}"] = update, decode
+    return checks
+
+
 # ---------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -434,6 +465,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps of the two runs (20; dry 2)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_check.json here")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks")
+    parser.add_argument(
+        "--tier", choices=("basic", "real"), default="basic", help="real: gpu_scale.py's checks"
+    )
+    parser.add_argument("--shapes", default="0.5b,1.5b", help="real tier: Qwen2.5 shapes (0.5b, 1.5b)")
+    parser.add_argument("--sequences", type=int, default=128, help="real tier: rows (64-256)")
+    parser.add_argument("--prompt", type=int, default=128, help="real tier: prompt tokens")
+    parser.add_argument("--response", type=int, default=1024, help="real tier: response tokens")
     args = parser.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
     device = "cpu" if dry else "cuda"
@@ -448,17 +486,21 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     spec = TaskSpec(num_train=400, num_val=100, warmup_steps=20 if dry else 300)
     task = prepare_task(spec, os.environ.get("TEARLESS_CACHE", str(work / "cache")), log=lambda _: None)
-    checks = {
-        "grpo_fp32_resume": lambda: grpo_fp32_resume(task, work, device, steps),
-        "grpo_bf16_packed": lambda: grpo_bf16_packed(task, work, device, steps),
-        "fsdp_offload": lambda: fsdp_offload(task, work, device),
-        "rank_sharded_logprobs": lambda: rank_sharded_logprobs(task, device),
-        "weight_broadcast": lambda: weight_broadcast(device),
-        "packed_attention": lambda: packed_attention(device, dry),
-        "decode_loop": lambda: decode_loop(device, dry),
-        "update_precision": lambda: update_precision(device, dry),
-        "grpo_default_bf16": lambda: grpo_default_bf16(task, work, device, 2 if dry else 125),
-    }
+    checks = (
+        real_scale_checks(task, device, args)
+        if args.tier == "real"
+        else {
+            "grpo_fp32_resume": lambda: grpo_fp32_resume(task, work, device, steps),
+            "grpo_bf16_packed": lambda: grpo_bf16_packed(task, work, device, steps),
+            "fsdp_offload": lambda: fsdp_offload(task, work, device),
+            "rank_sharded_logprobs": lambda: rank_sharded_logprobs(task, device),
+            "weight_broadcast": lambda: weight_broadcast(device),
+            "packed_attention": lambda: packed_attention(device, dry),
+            "decode_loop": lambda: decode_loop(device, dry),
+            "update_precision": lambda: update_precision(device, dry),
+            "grpo_default_bf16": lambda: grpo_default_bf16(task, work, device, 2 if dry else 125),
+        }
+    )
     for name, run in checks.items():
         if args.only is None or name in args.only:
             run()

@@ -9,6 +9,7 @@ warm-up (a tenth of the run), in MiB per step, and the growth: the median of the
 the median of the 50 after the warm-up.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/ray_soak.py --steps 1000 --out soak.jsonl
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/ray_soak.py --rank-env MALLOC_ARENA_MAX=2 ...
     PYTHONPATH=$PWD python benchmarks/ray_soak.py --summarise soak.jsonl
 
 Not run by CI (hours on a 2-core machine).
@@ -43,6 +44,31 @@ def rss_mb(pid: int | str) -> float | None:
         return None
 
 
+def heap(_actor: object = None) -> dict[str, float]:
+    """What a process holds beyond its pages (run in a rank through ``__ray_call__``): Python's
+    allocated blocks and tracked objects, and glibc's heap: bytes in use by live allocations
+    (``uordblks`` + ``hblkhd``, mmapped) against bytes held (``arena`` + ``hblkhd``); held minus in use
+    is free memory the allocator keeps (fragmentation)."""
+    import ctypes
+    import gc
+
+    class Mallinfo2(ctypes.Structure):  # defined here: a ctypes class does not pickle into the rank
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+            "keepcost",
+        )]  # fmt: skip
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = Mallinfo2
+    m = libc.mallinfo2()
+    return {
+        "py_blocks": sys.getallocatedblocks(),
+        "gc_objects": len(gc.get_objects()),
+        "malloc_in_use_mb": (m.uordblks + m.hblkhd) / 2**20,
+        "malloc_held_mb": (m.arena + m.hblkhd) / 2**20,
+    }
+
+
 def slope(xs: list[float], ys: list[float]) -> float:
     """Least-squares slope of ``ys`` over ``xs``: Σ(x-x̄)(y-ȳ) / Σ(x-x̄)²."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -75,6 +101,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--out", type=Path, default=Path("ray_soak.jsonl"))
     parser.add_argument("--summarise", type=Path, help="only print the summary of an existing file")
+    parser.add_argument(
+        "--rank-env", action="append", default=[], metavar="KEY=VALUE",
+        help="an environment variable of the rank processes (e.g. MALLOC_ARENA_MAX=2); repeatable",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.summarise:
         rows = [json.loads(line) for line in args.summarise.read_text().splitlines() if line.strip()]
@@ -111,6 +141,7 @@ def main() -> None:
             "trainer.worker_timeout_s=600",
             "ray_init.num_cpus=2",
             f"ray_init.runtime_env.env_vars.PYTHONPATH={repo}",
+            *(f"ray_init.runtime_env.env_vars.{kv}" for kv in args.rank_env),
         ],
     )
     trainer = RLTrainer(cfg, log=lambda _: None)
@@ -125,6 +156,12 @@ def main() -> None:
             for w in json.loads(path.read_text()):
                 row[f"rank{w['rank']}_{path.stem[8:]}"] = rss_mb(w["pid"])
         row["fds"] = len(os.listdir("/proc/self/fd"))
+        if step % 100 == 1:  # the ranks' heaps, every 100 steps
+            import ray
+
+            for name, pool in trainer.workers.pools.items():
+                for r, handle in enumerate(pool.handles):
+                    row[f"heap_{name}{r}"] = ray.get(handle.__ray_call__.remote(heap))
         out.write(json.dumps(row) + "\n")
         out.flush()
         return metrics

@@ -49,6 +49,17 @@ def prepare(work: Path, env: dict) -> None:
         cli("data", "make", "word_problems", "--output", str(work / "wp"), env=env).check_returncode()
 
 
+def offline_work(work: str) -> tuple[Path, dict]:
+    """``work`` made and prepared (:func:`prepare`), and the environment of an offline run from it: its
+    private Hugging Face cache, the Hub offline."""
+    path = Path(work).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HOME": str(path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    prepare(path, env)
+    return path, env
+
+
 def run_seed(work: Path, seed: int, env: dict, extra: list[str]) -> dict:
     run_dir = work / f"seed{seed}"
     command = [
@@ -67,9 +78,11 @@ def run_seed(work: Path, seed: int, env: dict, extra: list[str]) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     first, last = records[0], [r for r in records if GREEDY in r][-1]
     steps = [r for r in records if "perf/time_per_step" in r]
+    precision = [x for x in (done.stdout + done.stderr).splitlines() if "param_dtype=auto -> " in x]
     return {
         "seed": seed,
         "command": "tearless " + " ".join(command),
+        "precision": precision,  # what param_dtype=auto resolved to, and why
         "wall_s": round(wall, 1),
         "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 1),
         "peak_rss_gib": round(after.ru_maxrss / 2**20, 2),
@@ -89,11 +102,7 @@ def main() -> None:
     ap.add_argument("--out", help="write the results as JSON here too")
     ap.add_argument("extra", nargs="*", help="more overrides for the train command")
     args = ap.parse_args()
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HOME": str(work / "hf"), "HF_HUB_OFFLINE": "1"}
-    env.pop("HF_HUB_CACHE", None)
-    prepare(work, env)
+    work, env = offline_work(args.work)
     flags = sorted(
         {f for line in open("/proc/cpuinfo") if line.startswith("flags") for f in line.split()}
         & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"}

@@ -14,7 +14,7 @@ of every run its checkpoints, metrics and rollout samples must equal an uninterr
    real ``tearless train`` process, classified one-line / traceback / silent / hang, and the counts.
 
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/reliability.py
-    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/reliability.py --bad-inputs
+    OMP_NUM_THREADS=1 PYTHONPATH=$PWD python benchmarks/reliability.py --bad-inputs [--cases hostile]
 
 The task is built (or reused) in ``$TEARLESS_TEST_TASK_CACHE`` (default: a temporary directory).
 """
@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--bad-inputs", action="store_true", help="only the bad-input campaign")
     parser.add_argument("--case-limit-s", type=float, default=300.0, help="bad-input case: a hang past it")
+    parser.add_argument("--cases", default="", help="bad-input cases whose name contains this text only")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="tearless-reliability-"))
     cache = os.environ.get("TEARLESS_TEST_TASK_CACHE") or str(root / "task")
@@ -67,7 +68,7 @@ def main() -> None:
         f"python {platform.python_version()}"
     )
     if args.bad_inputs:
-        bad_inputs(task, root, args.case_limit_s)
+        bad_inputs(task, root, args.case_limit_s, args.cases)
         return
 
     reference = root / "uninterrupted"
@@ -116,10 +117,10 @@ def main() -> None:
     )
 
 
-def bad_inputs(task, root: Path, limit_s: float) -> None:
-    """Run every bad-input case; print one line per case and the counts per class."""
+def bad_inputs(task, root: Path, limit_s: float, matching: str = "") -> None:
+    """Run every bad-input case (whose name contains ``matching``); one line per case, then the counts."""
     counts: dict[str, int] = {"one-line": 0, "traceback": 0, "silent": 0, "hang": 0}
-    cases = make_cases(task, root / "inputs")
+    cases = [c for c in make_cases(task, root / "inputs") if matching in c.name]
     for i, case in enumerate(cases):
         kind, last, seconds = run_case(case, task, root / f"case-{i}", limit_s)
         counts[kind] += 1

@@ -150,7 +150,13 @@ def run_tearless(
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(None, [*tearless_overrides(case, tmp, steps, seed, threads), *extra])
-        trainer = RLTrainer(cfg, log=lambda _: None)
+        precision: list[str] = []  # what param_dtype=auto resolved to (a pretrained model), in its line
+
+        def log(line: str) -> None:
+            if "param_dtype=auto" in line:
+                precision.append(line)
+
+        trainer = RLTrainer(cfg, log=log)
         trainer.run_dir.mkdir(parents=True, exist_ok=True)
         times, rss, phases, lengths, rewards = [], [], [], [], []
         try:
@@ -172,6 +178,7 @@ def run_tearless(
         "phases": phases,
         "response_length": lengths,
         "reward": rewards,
+        "precision": precision,
         **result,
     }
 

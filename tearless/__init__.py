@@ -12,34 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from tearless.api_names import API_NAMES
+
 # local imports: ``import tearless`` stays light: the API (and torch behind it) loads on first use
 
 __version__ = "0.1.0"
 
-# Names served lazily from tearless.api (PEP 562), so that importing tearless imports no config code.
-_API = (
-    "ActorConfig",
-    "ActorRolloutRefConfig",
-    "AlgorithmConfig",
-    "CriticConfig",
-    "DPOConfig",
-    "DataConfig",
-    "MetricCallback",
-    "ModelConfig",
-    "OptimConfig",
-    "RLConfig",
-    "RewardFunc",
-    "RewardModelConfig",
-    "RolloutConfig",
-    "SFTConfig",
-    "SummedReward",
-    "Trainer",
-    "TrainerConfig",
-)
-
 
 def __getattr__(name: str) -> Any:
-    if name in _API:
+    # the API's names are served lazily (PEP 562), so that importing tearless imports no config code
+    if name in API_NAMES:
         from tearless import api
 
         return getattr(api, name)
@@ -69,4 +51,27 @@ def train(
     return Trainer(reward_funcs=reward_fn, args=config, overrides=overrides, preset=preset, log=log).train()
 
 
-__all__ = ["__version__", "train", *_API]
+# Spelled out (mkdocstrings reads __all__ statically and takes string literals only); tests/api checks
+# that it is __version__, train and API_NAMES.
+__all__ = [
+    "ActorConfig",
+    "ActorRolloutRefConfig",
+    "AlgorithmConfig",
+    "CriticConfig",
+    "DPOConfig",
+    "DataConfig",
+    "MetricCallback",
+    "ModelConfig",
+    "OptimConfig",
+    "RLConfig",
+    "RMConfig",
+    "RewardFunc",
+    "RewardModelConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "SummedReward",
+    "Trainer",
+    "TrainerConfig",
+    "__version__",
+    "train",
+]

@@ -24,22 +24,27 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tearless.api_names import API_NAMES
 from tearless.config import load_config
-from tearless.config.dpo import DPOConfig
+
+# F401 is silenced below: the config classes are re-exported through ``__all__ = list(API_NAMES)``,
+# which ruff cannot read
+from tearless.config.dpo import DPOConfig  # noqa: F401
+from tearless.config.rm import RMConfig  # noqa: F401
 from tearless.config.schema import (
-    ActorConfig,
-    ActorRolloutRefConfig,
-    AlgorithmConfig,
+    ActorConfig,  # noqa: F401
+    ActorRolloutRefConfig,  # noqa: F401
+    AlgorithmConfig,  # noqa: F401
     Config,
-    CriticConfig,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    RewardModelConfig,
-    RolloutConfig,
-    TrainerConfig,
+    CriticConfig,  # noqa: F401
+    DataConfig,  # noqa: F401
+    ModelConfig,  # noqa: F401
+    OptimConfig,  # noqa: F401
+    RewardModelConfig,  # noqa: F401
+    RolloutConfig,  # noqa: F401
+    TrainerConfig,  # noqa: F401
 )
-from tearless.config.sft import SFTConfig
+from tearless.config.sft import SFTConfig  # noqa: F401
 
 # local imports: torch: building a config through the API does not import it; training does
 
@@ -224,7 +229,7 @@ def _override_value(files: str | list[str]) -> str:
 
 
 def _cache_root() -> Path:
-    from tearless.tasks.bootstrap import default_cache_dir
+    from tearless.cachedir import default_cache_dir
 
     return default_cache_dir() / "python-api"
 
@@ -333,22 +338,4 @@ def _verl_row(row: Any, index: int, split: str, *, have_reward_fn: bool) -> dict
     return row
 
 
-__all__ = [
-    "ActorConfig",
-    "ActorRolloutRefConfig",
-    "AlgorithmConfig",
-    "CriticConfig",
-    "DPOConfig",
-    "DataConfig",
-    "MetricCallback",
-    "ModelConfig",
-    "OptimConfig",
-    "RLConfig",
-    "RewardFunc",
-    "RewardModelConfig",
-    "RolloutConfig",
-    "SFTConfig",
-    "SummedReward",
-    "Trainer",
-    "TrainerConfig",
-]
+__all__ = list(API_NAMES)

@@ -1,11 +1,11 @@
 """``tearless <command> key=value …``: the command-line interface.
 
 Commands: ``train`` (RL training, veRL-style dotted overrides), ``eval`` (score a model on a
-dataset with the validation metrics), ``sft`` and ``dpo`` (the offline trainers),
+dataset with the validation metrics), ``sft``, ``dpo`` and ``rm`` (the offline trainers),
 ``data make|prepare|inspect`` (datasets), ``model import-gguf`` (a GGUF file as a model directory),
 ``samples`` (read a run's rollout records), ``report`` and ``compare`` (plots and diagnoses of runs),
-``config show`` (every key with its value and documentation), ``flow-pretrain`` and ``flow-train``
-(Flow-GRPO, defined in ``tearless.flow.cli``). Heavy imports happen inside the commands so
+``config show [train|sft|dpo|rm]`` (every key with its value and documentation), ``flow-pretrain``
+and ``flow-train`` (Flow-GRPO, defined in ``tearless.flow.cli``). Heavy imports happen inside the commands so
 ``tearless --help`` is quick.
 
 Every refusal is one line on stderr (``tearless: error: …``), exit code 1 (2 for a config error): the
@@ -26,8 +26,10 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Iterator
 
+from tearless import reaper
 from tearless.flow.cli import HELPS as FLOW_HELPS
 
 # local imports: --help speed: a command imports only what it runs
@@ -44,6 +46,14 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+# The run directory of the command once its config is resolved: what a stop message says survives.
+_run_dir: list[str] = []
+# The reaper of a training command: it ends whatever the run started once this process is gone.
+_reaper: list = []
+# This process's children from before the command (a caller's own, when main() runs in-process):
+# never the command's to end.
+_before: set[int] = set()
+TRAINING_COMMANDS = ("train", "sft", "dpo")
 # The signal that stopped the command, if one did: raised inside C code (Ray's wait), Stopped can
 # come back wrapped (SystemError: "returned a result with an exception set"), still a stop.
 _received: list[int] = []
@@ -108,7 +118,12 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="configuration tools")
     show.add_argument("action", choices=["show"], help="show: print every key, its value and its doc")
     show.add_argument("--config", help="YAML file merged over the defaults")
-    show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    show.add_argument(
+        "overrides",
+        nargs="*",
+        help="the command whose keys to show first (train, the default, or sft, dpo, rm), then dotted "
+        "key=value overrides",
+    )
     _add_data_parser(sub)
     _add_eval_parser(sub)
     _add_offline_parsers(sub)
@@ -128,11 +143,26 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--debug"]:
         argv = argv[1:]
     _received.clear()
+    _run_dir.clear()
     with _signals_stop_the_run():
         try:
             return _main(argv)
         except Stopped as e:
             return _stopped(e.signum)
+        except KeyboardInterrupt as e:
+            # SIGINT arrives as Stopped while the command runs, so this one was raised by code the run
+            # called (an in-process reward function, reward_model.num_workers=0): say where.
+            if _received:
+                return _stopped(_received[0])
+            if debug:
+                raise
+            _shutdown_ray()
+            print(
+                "tearless: error: KeyboardInterrupt raised by the run's own code, not by a signal, "
+                f"{_raised_at(e)}; the run stopped (set {DEBUG_ENV}=1 for the traceback)",
+                file=sys.stderr,
+            )
+            return 1
         except Exception as e:
             if _received:
                 return _stopped(_received[0])
@@ -145,17 +175,56 @@ def main(argv: list[str] | None = None) -> int:
 
 def _stopped(signum: int) -> int:
     _shutdown_ray()
+    _end_started()
     print(
-        f"tearless: stopped by {signal.Signals(signum).name}; the reward and Ray workers were stopped. The "
-        "newest complete checkpoint is intact: rerun with trainer.resume_mode=auto to continue",
+        f"tearless: stopped by {signal.Signals(signum).name}; the processes it started were stopped "
+        f"(reward workers, their samples' processes, Ray). {_what_survives()}",
         file=sys.stderr,
     )
     return 128 + signum
 
 
+def _end_started() -> None:
+    """SIGKILL what this process started and still runs (an in-process reward's subprocesses, say),
+    its reaper aside: the pools and Ray have closed by now, so only strays are left."""
+    keep = {p.pid for p in _reaper if p is not None} | _before
+    for pid in reaper.descendants(os.getpid()) - keep:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _what_survives() -> str:
+    """What a stopped or failed run leaves to resume from: its newest complete checkpoint, by name,
+    or that none was saved yet (a rerun starts from the beginning)."""
+    if not _run_dir:
+        return "Any complete checkpoint of the run is intact: rerun with trainer.resume_mode=auto to continue"
+    # torch: the run imported it already; --help must not
+    from tearless.run.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(_run_dir[0])
+    if latest is None:
+        return f"No checkpoint was saved yet (in {_run_dir[0]}): a rerun starts from the beginning"
+    return f"The newest complete checkpoint ({latest}) is intact: trainer.resume_mode=auto continues from it"
+
+
+def _raised_at(exc: BaseException) -> str:
+    """``at <file>, line <n>, in <function>``: the innermost frame of ``exc``'s traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "at an unknown place"
+    last = frames[-1]
+    return f"at {last.filename}, line {last.lineno}, in {last.name}"
+
+
 def one_line(exc: BaseException) -> str:
     """``Type: first line`` of an exception's message; when the message carries a traceback of its
     own (a Ray worker's failure), its last line too: the remote exception, the part worth reading."""
+    if isinstance(exc, MemoryError):
+        return (
+            f"MemoryError: out of memory {_raised_at(exc)} (the machine's memory or the process's "
+            "address-space limit); lower data.train_batch_size, actor_rollout_ref.actor."
+            "ppo_micro_batch_size_per_gpu or data.max_response_length, or free memory"
+        )
     lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
     if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
@@ -173,6 +242,13 @@ def _main(argv: list[str]) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
+    if args.command in TRAINING_COMMANDS:
+        _before.clear()
+        _before.update(reaper.descendants(os.getpid()))
+        if not _reaper:
+            # A reward stuck in C code never runs its parent-death handler, and an in-process reward's
+            # subprocesses have none: a process outside the run ends them even after a SIGKILL.
+            _reaper.append(reaper.start(everything=True))
     if args.command == "data":
         return _data(args)
     if args.command == "eval":
@@ -187,8 +263,12 @@ def _main(argv: list[str]) -> int:
         return run_flow(args)
     if args.command in ("report", "compare"):
         return _report(args)
-    if args.command in ("sft", "dpo"):
-        return _offline(args)
+    if args.command in OFFLINE:
+        return _offline(args, args.command)
+    if args.command == "config" and args.overrides[:1] and args.overrides[0] in ("train", *OFFLINE):
+        name, *args.overrides = args.overrides
+        if name in OFFLINE:
+            return _offline(args, name)
     from tearless.api import Trainer
     from tearless.config import ConfigError, describe
 
@@ -202,21 +282,26 @@ def _main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
+    _run_dir[:] = [str(cfg.trainer.default_local_dir)]
     if args.command == "config" or getattr(args, "help", False):
         usage = _options_help(parser, args.command) if getattr(args, "help", False) else ""
         print(usage + describe(cfg))
         return 0
     from tearless.config.resume_compat import ResumeMismatch
     from tearless.data.rows import DataError
+    from tearless.models.loading import NonFiniteWeights
     from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
     from tearless.run.checkpoint import CheckpointError
     from tearless.run.guards import WeightsNotFinite
     from tearless.trainers.rl import TrainingStopped
     from tearless.trainers.runlock import RunLocked
+    from tearless.userfiles import UserFileError
+    from tearless.workers.ray_group import RayStartError
 
     explained = (
         DataError, CheckpointError, TrainingStopped, FileNotFoundError, FileExistsError, RunLocked,
         ResumeMismatch, WeightsNotFinite, RewardError, RewardFunctionError, UnknownDataSource, ConfigError,
+        UserFileError, NonFiniteWeights, RayStartError,
     )  # fmt: skip
     try:
         summary = trainer.train()
@@ -230,8 +315,7 @@ def _main(argv: list[str]) -> int:
         # The machine refused a write or read (disk full, read-only, permissions): one line, and
         # what survives. Checkpoints are written atomically, so the newest complete one is intact.
         print(
-            f"tearless: error: {e}. The run stopped; its newest complete checkpoint is intact and "
-            "trainer.resume_mode=auto continues from it once the cause is fixed",
+            f"tearless: error: {e}. The run stopped. {_what_survives()} once the cause is fixed",
             file=sys.stderr,
         )
         return 1
@@ -372,16 +456,15 @@ def _add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """``tearless eval``: the trainer's validation alone (``trainer.val_only``) on the given model, in a
-    scratch run directory; exit 2 on a config error, 1 on bad data."""
+    """``tearless eval``: the RL trainer's validation of the given model, without a trainer
+    (:func:`tearless.trainers.validation.evaluate`); exit 2 on a config error, 1 on bad data."""
     import json
-    import tempfile
     from pathlib import Path
 
     from tearless.config import ConfigError, load_config
     from tearless.data.rows import DataError
     from tearless.rewards import RewardError, RewardFunctionError, UnknownDataSource
-    from tearless.trainers.rl import RLTrainer
+    from tearless.trainers.validation import evaluate
 
     model = Path(args.model)
     if (model / "actor" / "config.json").is_file():  # a checkpoint: its HF model is global_step_N/actor
@@ -396,28 +479,19 @@ def _eval(args: argparse.Namespace) -> int:
     val_files = next(
         x.split("=", 1)[1] for x in args.overrides if x.lstrip("+").startswith("data.val_files=")
     )
-    with tempfile.TemporaryDirectory(prefix="tearless-eval-") as scratch:
-        overrides = [
-            f"actor_rollout_ref.model.path={model}",
-            *([] if "data.train_files" in given else [f"data.train_files={val_files}"]),
-            f"trainer.default_local_dir={scratch}",
-            "trainer.resume_mode=disable",
-            "trainer.logger=[]",
-            *args.overrides,
-            "trainer.val_only=true",
-            "trainer.val_before_train=true",
-        ]
-        try:
-            cfg = load_config(args.config, overrides)
-        except ConfigError as e:
-            print(f"tearless: config error: {e}", file=sys.stderr)
-            return 2
-        try:
-            summary = RLTrainer(cfg, log=lambda _: None).fit()
-        except (DataError, FileNotFoundError, RewardError, RewardFunctionError, UnknownDataSource) as e:
-            print(f"tearless: error: {e}", file=sys.stderr)
-            return 1
-    metrics = {k: v for k, v in summary["before"].items() if k.startswith(("val-core/", "val/"))}
+    # The RL config asks for both files or neither (the embedded task's); eval reads only the val files.
+    train_files = [] if "data.train_files" in given else [f"data.train_files={val_files}"]
+    try:
+        overrides = [f"actor_rollout_ref.model.path={model}", *train_files, *args.overrides]
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"tearless: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        metrics = evaluate(cfg, log=lambda _: None)
+    except (DataError, FileNotFoundError, RewardError, RewardFunctionError, UnknownDataSource) as e:
+        print(f"tearless: error: {e}", file=sys.stderr)
+        return 1
     result = {"model": str(model), "data": val_files, "metrics": metrics}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     for key in sorted(metrics):
@@ -437,45 +511,54 @@ def add_config_command(sub: argparse._SubParsersAction, name: str, text: str) ->
     return cmd
 
 
+OFFLINE = ("sft", "dpo", "rm")
+
+
 def _add_offline_parsers(sub: argparse._SubParsersAction) -> None:
     helps = {
         "sft": "supervised fine-tuning, loss on assistant tokens (default: the embedded task's warm-up)",
         "dpo": "offline DPO on preference pairs (default: pairs from the embedded task's warm-up model)",
+        "rm": "train a Bradley-Terry reward model on preference pairs (the files dpo reads; default: "
+        "the embedded task's pairs); its checkpoints' reward_model/ is what reward_model.model.path takes",
     }
     for name, text in helps.items():
         cmd = add_config_command(sub, name, text)
-        if name == "dpo":
+        if name in ("dpo", "rm"):
             cmd.add_argument(
                 "--fresh", action="store_true", help="rebuild the embedded task and its preference pairs"
             )
         cmd.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
 
-def _offline(args: argparse.Namespace) -> int:
-    """``tearless sft`` / ``tearless dpo``: train, print held-out metrics before/after; exit 2 on a
-    config error."""
+def _offline(args: argparse.Namespace, command: str) -> int:
+    """``tearless sft`` / ``dpo`` / ``rm``: train, print held-out metrics before/after; exit 2 on a
+    config error. From ``tearless config show <command>``: print the config only."""
     from tearless.config import ConfigError, describe, load_config
 
-    if args.command == "sft":
+    if command == "sft":
         from tearless.config.sft import SFTConfig as schema
-    else:
+    elif command == "dpo":
         from tearless.config.dpo import DPOConfig as schema
+    else:
+        from tearless.config.rm import RMConfig as schema
     overrides = [*args.overrides, *(["task.fresh=true"] if getattr(args, "fresh", False) else [])]
     try:
         cfg = load_config(args.config, overrides, schema=schema)
     except ConfigError as e:
         print(f"tearless: config error: {e}", file=sys.stderr)
         return 2
-    if args.help:
-        print(_options_help(_parser(), args.command) + describe(cfg))
+    if args.command == "config" or args.help:
+        print((_options_help(_parser(), command) if args.command != "config" else "") + describe(cfg))
         return 0
     from tearless.data.rows import DataError
     from tearless.run.checkpoint import CheckpointError
 
-    if args.command == "sft":
+    if command == "sft":
         from tearless.trainers.sft import SFTTrainer as trainer
-    else:
+    elif command == "dpo":
         from tearless.trainers.dpo import DPOTrainer as trainer
+    else:
+        from tearless.trainers.rm import RewardModelTrainer as trainer
     from tearless.rewards import RewardFunctionError
 
     try:
@@ -485,6 +568,8 @@ def _offline(args: argparse.Namespace) -> int:
         print(f"tearless: error: {e}", file=sys.stderr)
         return 1
     print(format_summary(summary, accuracies_only=False, digits=4))
+    if "reward_model" in summary:
+        print(f"reward model: reward_model.model.path={summary['reward_model']}")
     return 0
 
 

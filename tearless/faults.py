@@ -6,7 +6,8 @@
 
 - ``rollout``: before the responses are generated;
 - ``reward``: after generation, before scoring (reward workers are alive);
-- ``update``: after advantages, before the actor's optimizer steps;
+- ``update``: after advantages, before the actor's optimizer steps (the offline trainers: before
+  the step's forward);
 - ``metrics``: before the step's metrics line is written;
 - ``checkpoint_write``: inside a checkpoint save, with the weights written to the hidden
   temporary directory but not the trainer state or the completion marker;

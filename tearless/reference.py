@@ -23,6 +23,7 @@ from typing import Any
 from tearless.algos import ADV_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty
 from tearless.cli import _parser
 from tearless.config.dpo import DPOConfig
+from tearless.config.rm import RMConfig
 from tearless.config.schema import Config, all_keys
 from tearless.config.sft import SFTConfig
 from tearless.flow.config import FlowConfig
@@ -38,6 +39,7 @@ def schemas() -> list[tuple[str, str, type]]:
         ("RL trainer", "`tearless train`, `python -m tearless.main_ppo`, `tearless.RLConfig`", Config),
         ("SFT", "`tearless sft`, `tearless.SFTConfig`", SFTConfig),
         ("DPO and other preference losses", "`tearless dpo`, `tearless.DPOConfig`", DPOConfig),
+        ("Reward model", "`tearless rm`", RMConfig),
         ("Flow-GRPO", "`tearless flow-train`, `tearless flow-pretrain`", FlowConfig),
     ]
 

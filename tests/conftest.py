@@ -64,6 +64,36 @@ def overrides(task):
     return make
 
 
+def search_r1_overrides(cache_dir: str | Path, run_dir: str | Path, *extra: str) -> list[str]:
+    """A two-step run of the ``search_r1`` preset on its own small multi-hop task (built in
+    ``cache_dir``): 16 training prompts, 4 prompts × 4 responses per step, 30 warm-up steps (enough to
+    teach the search protocol), jsonl only. Later overrides of a key win, as in :func:`small_overrides`."""
+    return [
+        f"task.cache_dir={cache_dir}",
+        "task.num_train=16",
+        "task.num_val=8",
+        "task.warmup_steps=30",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.total_training_steps=2",
+        "trainer.logger=[jsonl]",
+        "data.train_batch_size=4",
+        "data.max_response_length=64",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "reward_model.num_workers=0",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray cluster of 4 CPUs for one test module (skipped where Ray is not installed)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
 E2E_STEPS = 12
 
 
@@ -106,11 +136,12 @@ def trained_run(task, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def local_workers(task, tmp_path_factory):
-    """``local_workers(*extra, models={role: model}, roles=None)``: the worker group the trainer
-    builds in this process (:func:`~tearless.workers.placement.make_workers`), from the small config
-    plus the overrides ``extra``, whose ``roles`` (default: those of ``models``) hold the given
-    in-memory models (:attr:`~tearless.workers.spec.RankSpec.models`); a role without one loads the
-    task's model. Tests drive updates and forwards through it, the route of a training step."""
+    """``local_workers(*extra, models={role: model}, roles=None, config_device="cpu")``: the worker
+    group the trainer builds in this process (:func:`~tearless.workers.placement.make_workers`),
+    from the small config plus the overrides ``extra``, whose ``roles`` (default: those of
+    ``models``) hold the given in-memory models (:attr:`~tearless.workers.spec.RankSpec.models`); a
+    role without one loads the task's model. Tests drive updates and forwards through it, the
+    route of a training step."""
     from tearless.config import load_config
     from tearless.models.loading import load_tokenizer
     from tearless.workers.placement import make_workers
@@ -119,8 +150,10 @@ def local_workers(task, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("local-workers")
     pad_token_id = load_tokenizer(task.model_dir).pad_token_id
 
-    def make(*extra: str, models: dict, roles: tuple[str, ...] | None = None):
-        cfg = load_config(None, small_overrides(task, run_dir, *extra))
+    def make(*extra: str, models: dict, roles: tuple[str, ...] | None = None, config_device: str = "cpu"):
+        # config_device: whose per-device defaults the config takes (tearless.devices); the rank runs
+        # on the CPU whatever it is, so "cuda" drives the GPU's route on this machine.
+        cfg = load_config(None, small_overrides(task, run_dir, *extra), device=config_device)
         spec = RankSpec(
             cfg,
             roles=tuple(models) if roles is None else roles,

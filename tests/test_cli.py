@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tearless.cli import format_summary
+from tearless.cli import format_summary, main, one_line
 
 
 def cli(*args, timeout=120, **kwargs):
@@ -163,3 +163,71 @@ def test_eval_scores_a_model_with_the_validation_metrics(task, tmp_path, capsys)
     assert mean4 <= metrics["val-core/arithmetic/acc/pass@2"] <= metrics["val-core/arithmetic/acc/pass@4"]
     assert "val-core/arithmetic/acc/greedy" in capsys.readouterr().out
     assert main(["eval", str(task.model_dir)]) == 2  # data.val_files is required
+
+
+@pytest.mark.slow
+def test_eval_is_the_trainers_validation_without_a_trainer(task, tmp_path, monkeypatch):
+    # `tearless eval` ran a whole RLTrainer (train files := val files, an optimizer, a run directory).
+    # Its own entry builds no optimizer, and its numbers are still the trainer's val_only pass to the
+    # bit, greedy and sampled (the same policy precision, engine, keys and scorer).
+    import torch
+
+    from tearless import train
+
+    common = [
+        f"data.val_files={task.val_file}",
+        "data.val_max_samples=8",
+        "reward_model.num_workers=0",
+    ]
+    want = train(
+        None,
+        [
+            f"actor_rollout_ref.model.path={task.model_dir}",
+            f"data.train_files={task.val_file}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.val_only=true",
+            "trainer.logger=[]",
+            *common,
+        ],
+        log=lambda _: None,
+    )["before"]
+
+    def no_optimizer(*args, **kwargs):
+        raise AssertionError("tearless eval built an optimizer")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", no_optimizer)
+    out = tmp_path / "scores.json"
+    assert main(["eval", str(task.model_dir), *common, "--out", str(out)]) == 0
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics == want and "val-core/arithmetic/acc/mean@4" in metrics
+
+
+def _deep_allocation():
+    raise MemoryError
+
+
+def test_a_memory_error_says_out_of_memory_where_and_what_to_lower():
+    # It printed "MemoryError: " and nothing else.
+    try:
+        _deep_allocation()
+    except MemoryError as e:
+        line = one_line(e)
+    assert line.startswith("MemoryError: out of memory at ")
+    assert f"{__file__}, line " in line and "in _deep_allocation" in line
+    assert "data.train_batch_size" in line
+
+
+def test_a_run_stopped_before_its_first_checkpoint_does_not_claim_one(overrides, tmp_path, capsys):
+    # The reward stops the run from inside (SIGTERM to itself) while step 1 is scored: no checkpoint yet.
+    reward = tmp_path / "stops.py"
+    reward.write_text(
+        "import os, signal\n\n"
+        "def compute_score(**kwargs):\n    os.kill(os.getpid(), signal.SIGTERM)\n    return 0.0\n"
+    )
+    run = tmp_path / "run"
+    args = overrides(run, f"custom_reward_function.path={reward}", "reward_model.num_workers=0")
+    code = main(["train", *args])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 143
+    assert err.startswith("tearless: stopped by SIGTERM") and "No checkpoint was saved yet" in err
+    assert "intact" not in err

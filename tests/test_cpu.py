@@ -68,7 +68,15 @@ def probe(threads: int, keep: bool) -> dict:
 
 
 def test_freed_memory_is_reused_without_page_faults() -> None:
-    got = probe(threads=1, keep=True)
+    # Faults the process did not cause only ever add to a count, so of up to three probes the one with
+    # the lowest 'after' is the one least disturbed (one probe in a full-suite run of 2026-11-28 gave
+    # before 257, after 384; alone it passes).
+    runs = []
+    for _ in range(3):
+        runs.append(probe(threads=1, keep=True))
+        if runs[-1]["after"] <= runs[-1]["before"] / 5:
+            break
+    got = min(runs, key=lambda r: r["after"])
     # glibc's default gives the heap's free top back after a backward and faults it in again at the
     # next forward (1,500-4,500 pages of 4 KiB per step here, ~7,000 on the small benchmark case).
     # With the setting the step reuses the freed memory: 0-1 faults per step in isolation, but a

@@ -24,9 +24,19 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tearless"
 # Lowest first. An entry names a package (it covers every module in it) or one module; ``tearless``
 # names only the package's own ``__init__``. A module may import its own floor and the floors below.
 FLOORS: tuple[tuple[str, ...], ...] = (
-    # pure math, the CPU/thread settings, the fault-injection switches, the parallel toolbox (FSDP2
-    # sharding, DTensor helpers, the weight broadcast; no Ray)
-    ("tearless.algos", "tearless.cpu", "tearless.faults", "tearless.distributed"),
+    # pure math, the CPU/thread settings, the per-device defaults, the fault-injection switches, the
+    # parallel toolbox (FSDP2 sharding, DTensor helpers, the weight broadcast; no Ray), user-given files,
+    # the reaper (a plain script the processes of every floor tell what they start), cached builds
+    (
+        "tearless.algos",
+        "tearless.cpu",
+        "tearless.devices",
+        "tearless.faults",
+        "tearless.distributed",
+        "tearless.userfiles",
+        "tearless.reaper",
+        "tearless.cachedir",
+    ),
     # Hugging Face models: loading, log-probs, packing, LoRA, value heads, weights
     ("tearless.models",),
     # scorers, reward managers, the sandbox, process reward models
@@ -51,8 +61,8 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("tearless.trainers",),
     # what sits on a trainer: Flow-GRPO, reports, the samples viewer
     ("tearless.flow", "tearless.report", "tearless.samples"),
-    # the Python API
-    ("tearless.api",),
+    # the Python API and the list of its names
+    ("tearless.api", "tearless.api_names"),
     # the command line, the generated reference pages, the package's lazy attributes
     ("tearless.cli", "tearless.__main__", "tearless.main_ppo", "tearless.reference", "tearless"),
 )
@@ -264,3 +274,128 @@ def test_floors_name_real_packages(floor: int) -> None:
     for entry in FLOORS[floor]:
         real = entry in MODULES or any(m.startswith(entry + ".") for m in MODULES)
         assert real, f"FLOORS names {entry}, which is not a tearless module or package"
+
+
+# The plan rule (tearless.config.plan): the facts the plan derives from the config have one home. The
+# ranks, groups and trainers above it read them from the plan, never from the config or a helper again.
+PLAN_READERS = ("tearless.workers", "tearless.trainers")
+# Helpers whose result the plan holds: response_length, critic, distills, roles, loss_scale_factor,
+# capabilities, critic_section (config.derived's on_policy went into RunPlan.on_policy).
+PLAN_HELPERS = frozenset(
+    {"response_length", "critic_enabled", "distills", "roles", "loss_scale_factor", "engine_capabilities"}
+    | {"critic_section", "uses_ray"}
+)
+# Where a reader may still build a plan: a RankSpec given none builds the config's own; the two drivers
+# (the RL trainer, tearless eval's trainers.validation.evaluate) build the run's, once.
+PLAN_BUILDERS = {"tearless.workers.spec", "tearless.trainers.rl", "tearless.trainers.validation"}
+
+
+def _plan_rereads(module: str, tree: ast.AST) -> list[str]:
+    """Where ``module`` derives a planned fact itself: a call to (or an import of) a helper in
+    :data:`PLAN_HELPERS`, ``build_plan`` outside :data:`PLAN_BUILDERS`, ``<...>.response_length or
+    ...`` (the response cap worked out by hand), a read of ``fsdp_config.param_dtype`` (the plan
+    holds it with ``auto`` resolved) or ``SourceSettings.from_config`` (the plan holds the source's
+    settings)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names = {a.name for a in node.names} & (PLAN_HELPERS | {"build_plan"})
+            if module in PLAN_BUILDERS:
+                names -= {"build_plan"}
+            found += [f"{module}:{node.lineno} imports {name}" for name in sorted(names)]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = getattr(func, "id", None) or getattr(func, "attr", "")
+            owner = getattr(getattr(func, "value", None), "id", None)
+            if name in PLAN_HELPERS:
+                found.append(f"{module}:{node.lineno} calls {name}()")
+            elif name == "from_config" and owner == "SourceSettings":
+                found.append(f"{module}:{node.lineno} builds the source's settings")
+        elif isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or):
+            first = node.values[0]
+            if isinstance(first, ast.Attribute) and first.attr == "response_length":
+                found.append(f"{module}:{node.lineno} works out the response cap")
+        elif (
+            isinstance(node, ast.Attribute)
+            and node.attr == "param_dtype"
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "fsdp_config"
+        ):
+            found.append(f"{module}:{node.lineno} reads fsdp_config.param_dtype")
+    return found
+
+
+def test_planned_facts_are_read_from_the_plan() -> None:
+    """Above the config floor the workers and trainers read each derived fact from the plan."""
+    readers = [m for m in MODULES if any(m == r or m.startswith(r + ".") for r in PLAN_READERS)]
+    found = [hit for m in readers for hit in _plan_rereads(m, ast.parse(MODULES[m].read_text()))]
+    assert found == [], "facts the plan holds, derived again (read them from RunPlan):\n" + "\n".join(found)
+
+
+# The sections rule: the worker groups and their ranks receive the plan (RankSpec.plan: the derived facts
+# and the config's sections, each reader its own), never the config. calibrate measures param_dtype=auto
+# in the driver, before the plan it completes reaches a rank, so it reads the config it is given.
+CONFIG_FREE = "tearless.workers"
+CONFIG_READERS = {"tearless.workers.calibrate"}
+# attributes only a whole config (or a spec carrying one) has: Sections names the rest
+CONFIG_ONLY = frozenset({"cfg", "actor_rollout_ref", "algorithm", "task"})
+
+
+def _config_reads(module: str, tree: ast.AST) -> list[str]:
+    """Where ``module`` reads the whole config: ``<...>.cfg`` (a spec or group carrying one) or a section
+    only the config's root has (``actor_rollout_ref``, ``algorithm``, ``task``)."""
+    return [
+        f"{module}:{node.lineno} reads .{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in CONFIG_ONLY
+    ]
+
+
+def test_the_ranks_read_the_plan_not_the_config() -> None:
+    """Below the trainers, the groups and ranks read the config's sections from the plan."""
+    readers = [m for m in MODULES if m.startswith(CONFIG_FREE + ".") and m not in CONFIG_READERS]
+    found = [hit for m in readers for hit in _config_reads(m, ast.parse(MODULES[m].read_text()))]
+    assert found == [], "the config read below the plan (read RankSpec.sections):\n" + "\n".join(found)
+
+
+def test_the_sections_rule_catches_each_config_read() -> None:
+    source = "\n".join(
+        [
+            "t = self.spec.cfg.trainer",
+            "n = cfg.actor_rollout_ref.rollout.n",
+            "b = cfg.algorithm.rollout_correction.bypass_mode",
+            "n = self.spec.sections.rollout.n",
+        ]
+    )
+    assert _config_reads("tearless.workers.x", ast.parse(source)) == [
+        "tearless.workers.x:1 reads .cfg",
+        "tearless.workers.x:2 reads .actor_rollout_ref",
+        "tearless.workers.x:3 reads .algorithm",
+    ]
+
+
+def test_the_plan_rule_catches_each_reread() -> None:
+    """Each kind of re-derivation the rule guards against is found in a module that does it."""
+    source = "\n".join(
+        [
+            "from tearless.config.derived import roles",
+            "n = cfg.actor_rollout_ref.rollout.response_length or cfg.data.max_response_length",
+            "c = engine_capabilities(name)",
+            "d = cfg.actor_rollout_ref.actor.fsdp_config.param_dtype",
+            "p = build_plan(cfg)",
+            "q = plan.response_length",
+            "s = SourceSettings.from_config(cfg, total_steps=3, max_new_tokens=8)",
+            "a = AgentSettings.from_config(mt)",
+        ]
+    )
+    found = _plan_rereads("tearless.workers.x", ast.parse(source))
+    assert found == [
+        "tearless.workers.x:1 imports roles",
+        "tearless.workers.x:2 works out the response cap",
+        "tearless.workers.x:3 calls engine_capabilities()",
+        "tearless.workers.x:4 reads fsdp_config.param_dtype",
+        "tearless.workers.x:7 builds the source's settings",
+    ]
+    builder = ast.parse("from tearless.config.plan import build_plan")
+    assert _plan_rereads("tearless.workers.spec", builder) == []
+    assert _plan_rereads("tearless.workers.x", builder) == ["tearless.workers.x:1 imports build_plan"]

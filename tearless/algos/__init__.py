@@ -31,6 +31,7 @@ from tearless.algos.losses import (
 )
 from tearless.algos.masked import masked_mean, masked_sum, masked_var, masked_whiten, zero_masked
 from tearless.algos.preference import KTO_LOSSES, kto_loss, kto_reference_point, register_kto_loss
+from tearless.algos.reward_model import bradley_terry_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -45,6 +46,7 @@ __all__ = [
     "FixedKLController",
     "KLController",
     "agg_loss",
+    "bradley_terry_loss",
     "compute_advantage",
     "dpo_loss",
     "entropy_from_logits",

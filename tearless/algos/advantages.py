@@ -41,6 +41,9 @@ def compute_advantage(
     std_scope: str = "group",
     unbiased_std: bool = True,
     step_mask: Tensor | None = None,
+    teacher_log_prob: Tensor | None = None,
+    student_log_prob: Tensor | None = None,
+    distill_reward_coef: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Advantages and returns, both (B, T), from the estimator registered as ``estimator``.
 
@@ -53,8 +56,10 @@ def compute_advantage(
     std over every row's outcome reward, as Flow-GRPO's ``global_std``); ``unbiased_std`` (``grpo``
     only) divides the variance by n − 1 (``torch.std``, veRL) or, when False, by n (numpy's default,
     Flow-GRPO). ``step_mask`` (B, T) marks the last token of each reasoning step (``grpo_process``
-    only; see :mod:`tearless.rewards.steps`). Runs without autograd: advantages are constants for the
-    policy update.
+    only; see :mod:`tearless.rewards.steps`). ``teacher_log_prob`` and ``student_log_prob`` (B, T) are
+    the sampled tokens' log-probs under the teacher and the student that sampled them, and
+    ``distill_reward_coef`` weighs the task reward (``on_policy_distill`` only). Runs without
+    autograd: advantages are constants for the policy update.
     """
     fn = lookup(ADV_ESTIMATORS, estimator, "advantage estimator")
     if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
@@ -62,7 +67,13 @@ def compute_advantage(
             "token_level_rewards and response_mask must both be (B, T), got "
             f"{tuple(token_level_rewards.shape)} and {tuple(response_mask.shape)}"
         )
-    for name, extra in (("values", values), ("step_mask", step_mask)):
+    extras = (
+        ("values", values),
+        ("step_mask", step_mask),
+        ("teacher_log_prob", teacher_log_prob),
+        ("student_log_prob", student_log_prob),
+    )
+    for name, extra in extras:
         if extra is not None and extra.shape != response_mask.shape:
             raise ValueError(
                 f"{name} must be (B, T) = {tuple(response_mask.shape)}, got {tuple(extra.shape)}"
@@ -80,6 +91,9 @@ def compute_advantage(
         "std_scope": std_scope,
         "unbiased_std": unbiased_std,
         "step_mask": step_mask,
+        "teacher_log_prob": teacher_log_prob,
+        "student_log_prob": student_log_prob,
+        "distill_reward_coef": distill_reward_coef,
     }
     return call_accepted(fn, inputs, f"advantage estimator {estimator!r}")
 
@@ -396,4 +410,49 @@ def grpo_process_advantage(
         std = torch.where(counts > 1, var.sqrt(), torch.ones_like(var))
         centred = centred / (std[ids].unsqueeze(-1) + epsilon)
     adv = zero_masked(centred.flip(-1).cumsum(-1).flip(-1), response_mask)
+    return adv, adv
+
+
+@register_adv_estimator("on_policy_distill")
+def on_policy_distill_advantage(
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    teacher_log_prob: Tensor,
+    student_log_prob: Tensor,
+    index: GroupIndex | None = None,
+    distill_reward_coef: float = 0.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    r"""On-policy distillation (Agarwal et al. 2024, GKD; Lu & Thinking Machines 2025): each sampled
+    token is credited with how much more likely the teacher finds it than the student did, optionally
+    plus α times the GRPO advantage of the task reward.
+
+    .. math:: A_{i,t} = m_{i,t}\left[\log \pi_T(y_{i,t} \mid y_{i,<t}) - \log \pi_S(y_{i,t} \mid
+              y_{i,<t}) + \alpha \, A^{\mathrm{GRPO}}_i\right]
+
+    The first term is the negative of the one-sample estimate of the per-token reverse KL
+    :math:`\mathrm{KL}(\pi_S \Vert \pi_T)` at the student's own states, a dense reward with no
+    discount (γ = 0: a token is credited only with its own KL, not its successors', as Tinker's
+    recipe). It is an advantage, not a loss, so every policy-loss mode (PPO clip, GSPO, CISPO, …), every
+    aggregation mode and the ratio to :math:`\pi_{old}` apply unchanged, and its gradient is the
+    policy gradient of the reverse KL. :math:`A^{\mathrm{GRPO}}` is :func:`grpo_advantage` of the
+    outcome reward over the ``index`` groups (needed only when α ≠ 0; α = 0 is pure distillation). A
+    student equal to its teacher gets exactly α·A^GRPO; a group of equal rewards adds 0. returns =
+    advantages.
+    """
+    adv = teacher_log_prob - student_log_prob
+    if distill_reward_coef:
+        if index is None:
+            raise ValueError("on_policy_distill with distill_reward_coef != 0 needs 'index'")
+        task, _ = grpo_advantage(
+            token_level_rewards=token_level_rewards,
+            response_mask=response_mask,
+            index=index,
+            norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+            epsilon=epsilon,
+        )
+        adv = adv + distill_reward_coef * task
+    adv = zero_masked(adv, response_mask)
     return adv, adv

@@ -71,9 +71,10 @@ def policy_loss(
     r"""Scalar policy loss and metrics for the mode registered as ``mode``.
 
     ``loss_agg_mode`` (:func:`agg_loss`) aggregates the per-token loss; None means the mode's own
-    (:data:`FIXED_AGG_MODES`: ``seq-mean-token-mean`` for ``gspo``, ``sapo``, ``geo_mean``) or else
-    ``token-mean``. Those three modes define their aggregation (veRL 0.9 hard-codes it too), so any
-    other explicit ``loss_agg_mode`` raises ValueError rather than being ignored.
+    (:data:`FIXED_AGG_MODES`: ``seq-mean-token-mean`` for ``sapo`` and ``geo_mean``) or else
+    ``token-mean``, veRL's default. Those two modes define their aggregation (veRL 0.9.1 hard-codes it
+    too), so any other explicit ``loss_agg_mode`` raises ValueError rather than being ignored. ``gspo``
+    is not among them: veRL 0.9.1 aggregates it with ``loss_agg_mode`` like any other mode.
 
     ``rollout_is_weights`` (B, T), when given, multiplies each token's loss before aggregation
     (truncated importance sampling for the rollout/trainer mismatch; detached, no gradient).
@@ -192,7 +193,7 @@ def vanilla_policy_loss(
     }
 
 
-@register_policy_loss("gspo", agg_mode="seq-mean-token-mean", linear_in_advantage=True)
+@register_policy_loss("gspo", linear_in_advantage=True)
 def gspo_policy_loss(
     *,
     old_log_prob: Tensor,
@@ -209,10 +210,10 @@ def gspo_policy_loss(
               10)\big)
 
     then PPO clip on ρ. Every token of a sequence has the value exp(s_i) but its own gradient.
-    Aggregated with ``seq-mean-token-mean`` (the paper's 1/|G| Σ_i 1/|y_i| Σ_t); veRL 0.9's
-    ``compute_policy_loss_gspo`` hard-codes the same mode whatever ``loss_agg_mode`` says (its docstring
-    only "recommends" it), so here another explicit ``loss_agg_mode`` is refused. ``pg_clipfrac`` as in
-    vanilla; no dual clip.
+    Aggregated with ``loss_agg_mode`` like vanilla (default ``token-mean``), as veRL 0.9.1's
+    ``compute_policy_loss_gspo`` does (veRL 0.9.0 hard-coded ``seq-mean-token-mean``). The paper's
+    1/|G| Σ_i 1/|y_i| Σ_t is ``seq-mean-token-mean``, which the ``gspo`` preset sets. ``pg_clipfrac`` as
+    in vanilla; no dual clip.
     """
     lengths = response_mask.sum(-1, keepdim=True).clamp(min=1)
     seq_log_ratio = masked_sum(_log_ratio(log_prob, old_log_prob), response_mask, dim=-1).unsqueeze(-1)

@@ -53,12 +53,18 @@ def critic_enabled(cfg: Config) -> bool:
 
 def roles(cfg: Config) -> tuple[str, ...]:
     """The roles the training ranks hold: the actor, the reference when a KL term needs it
-    (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``), the critic when it is enabled."""
+    (``actor.use_kl_loss`` or ``algorithm.use_kl_in_reward``), the teacher when the estimator is
+    ``on_policy_distill``, the critic when it is enabled."""
     arr = cfg.actor_rollout_ref
     ref = arr.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    return ("actor",) + (("ref",) if ref else ()) + (("critic",) if critic_enabled(cfg) else ())
+    return (
+        ("actor",)
+        + (("ref",) if ref else ())
+        + (("teacher",) if distills(cfg) else ())
+        + (("critic",) if critic_enabled(cfg) else ())
+    )
 
 
-def on_policy(cfg: ActorConfig, num_prompts: int) -> bool:
-    """One epoch over one mini-batch: the update's ratio is exactly 1, old log-probs are not needed."""
-    return cfg.ppo_epochs == 1 and num_prompts == cfg.ppo_mini_batch_size
+def distills(cfg: Config) -> bool:
+    """The run distils a teacher: ``algorithm.adv_estimator=on_policy_distill``."""
+    return cfg.algorithm.adv_estimator == "on_policy_distill"

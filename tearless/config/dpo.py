@@ -17,14 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tearless.config.errors import fail, in_range, one_of, positive
 from tearless.config.schema import CustomRewardConfig, TaskConfig, doc
 from tearless.config.sft import (
+    NOT_IN,
     OfflineModelConfig,
     OfflineOptimConfig,
     OfflineTrainerConfig,
-    fail,
-    one_of,
-    positive,
     validate_common,
 )
 
@@ -165,16 +164,19 @@ class DPOConfig:
         self.trainer.validate()
         validate_algorithm(self.algorithm, self.data, self.model)
         if self.data.train_files is None:
-            one_of("task.name", self.task.name, ("arithmetic",))
-            for key in ("num_train", "num_val", "warmup_steps", "samples_per_prompt"):
-                positive(f"task.{key}", getattr(self.task, key))
-            positive("task.temperature", self.task.temperature)
-            if self.task.samples_per_prompt < 2:
-                fail(
-                    "task.samples_per_prompt",
-                    "must be >= 2 to find a correct and an incorrect answer",
-                    "Use e.g. 8.",
-                )
+            validate_pair_task(self.task)
+
+
+def validate_pair_task(task: DPOTaskConfig) -> None:
+    """The ``task`` keys that make the embedded task's preference pairs (``tearless dpo`` and ``rm``)."""
+    one_of("task.name", task.name, ("arithmetic",))
+    for key in ("num_train", "num_val", "warmup_steps", "samples_per_prompt"):
+        positive(f"task.{key}", getattr(task, key))
+    positive("task.temperature", task.temperature)
+    if task.samples_per_prompt < 2:
+        fail(
+            "task.samples_per_prompt", "must be >= 2 to find a correct and an incorrect answer", "Use e.g. 8."
+        )
 
 
 def validate_algorithm(alg: DPOAlgorithmConfig, data: DPODataConfig, model: DPOModelConfig) -> None:
@@ -193,8 +195,15 @@ def validate_algorithm(alg: DPOAlgorithmConfig, data: DPODataConfig, model: DPOM
     one_of("algorithm.f_divergence_type", alg.f_divergence_type, tuple(F_DIVERGENCES))
     if alg.cpo_alpha is not None:
         positive("algorithm.cpo_alpha", alg.cpo_alpha, allow_zero=True)
-    if not 0 <= alg.label_smoothing < 0.5:
-        fail("algorithm.label_smoothing", f"{alg.label_smoothing} is not in [0, 0.5)", "Use e.g. 0.1.")
+    in_range(
+        "algorithm.label_smoothing",
+        alg.label_smoothing,
+        0,
+        0.5,
+        "Use e.g. 0.1.",
+        high_open=True,
+        problem=NOT_IN,
+    )
     takes = sorted(k for k, f in DPO_LOSSES.items() if "label_smoothing" in inspect.signature(f).parameters)
     if alg.label_smoothing and kind not in takes:
         fix = (

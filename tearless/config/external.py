@@ -26,9 +26,10 @@ def external_libs(value: Any) -> list[str]:
     return [n.strip() for n in names]
 
 
-def import_external_libs(cfg: Any) -> None:
-    """Import every module ``cfg`` names in ``external_lib`` (a module already imported is not re-run)."""
-    for name in external_libs(cfg.actor_rollout_ref.model.external_lib):
+def import_external_libs(model: Any) -> None:
+    """Import every module the model section ``model`` (``actor_rollout_ref.model``) names in
+    ``external_lib`` (a module already imported is not re-run)."""
+    for name in external_libs(model.external_lib):
         try:
             importlib.import_module(name)
         except Exception as e:  # any failure of the user's module: one line naming it, not a traceback

@@ -37,6 +37,7 @@ IDENTITY_KEYS = (
     "actor_rollout_ref.model.target_modules",
     "critic.model.path",
     "critic.enable",
+    "actor_rollout_ref.teacher.model.path",
     "data.train_files",
     "algorithm.adv_estimator",
 )
@@ -46,6 +47,7 @@ PATH_KEYS = (
     "actor_rollout_ref.model.path",
     "actor_rollout_ref.model.tokenizer_path",
     "critic.model.path",
+    "actor_rollout_ref.teacher.model.path",
     "data.train_files",
 )
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")

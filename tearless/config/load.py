@@ -17,6 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from tearless.config.device import describe_device_defaults, device_config_defaults
 from tearless.config.errors import ConfigError
 from tearless.config.identity import default_experiment_name
 from tearless.config.schema import Config, all_keys
@@ -147,6 +148,7 @@ def load_config(
     validate_config: bool = True,
     schema: type = Config,
     notify: Callable[[str], None] | None = None,
+    device: str | None = None,
 ) -> Any:
     """Merge the defaults with ``config`` (a :class:`Config`, a dict, or a YAML path) and ``overrides``.
 
@@ -159,8 +161,51 @@ def load_config(
     tearless has no field for follow :mod:`tearless.config.verl_compat`: taken by their tearless
     equivalent, accepted with a one-line note passed to ``notify`` (default: printed to stderr), or
     refused. ``trainer.logger`` may be one name (``console``), as veRL's scripts write it.
+
+    The RL config's keys whose default depends on the device (:mod:`tearless.config.device`) take the
+    defaults of ``device`` (``"cpu"`` or ``"cuda"``; None = ``trainer.device`` as this process sees
+    it) where no layer set them.
     """
     merged = OmegaConf.structured(schema)
+    layers = [
+        (_from_verl(layer, source, schema, notify), source)
+        for layer, source in _layers(config, overrides, preset, schema)
+    ]
+    for layer, source in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except (OmegaConfBaseException, TypeError) as e:
+            # A list where a section or dict belongs (or the reverse) comes as a TypeError, or an
+            # OmegaConf error, without the key in it.
+            clash = None if getattr(e, "full_key", None) else _container_clash(merged, layer, source)
+            if clash is not None:
+                raise clash from e
+            if isinstance(e, TypeError):
+                raise ConfigError(f"{source} does not fit the config's structure: {e}") from e
+            raise _explain(e, source, schema) from e
+    _apply_user_model_defaults(merged, [layer for layer, _ in layers], schema, notify)
+    if schema is Config:
+        _apply_device_defaults(merged, [layer for layer, _ in layers], device, notify)
+    if schema is Config and merged.trainer.experiment_name is None:
+        # Derived from the model, data and estimator, so that different runs get different directories.
+        merged.trainer.experiment_name = default_experiment_name(
+            OmegaConf.to_container(merged, resolve=False)
+        )
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _explain(e, "the merged config", schema) from e
+    assert isinstance(cfg, schema)
+    if validate_config:
+        if schema is Config:
+            validate(cfg)
+        elif hasattr(cfg, "validate"):
+            cfg.validate()
+    return cfg
+
+
+def _layers(config: Any, overrides: Iterable[str], preset: str | None, schema: type) -> list[tuple[Any, str]]:
+    """The layers :func:`load_config` merges over the defaults, in order, each with where it came from."""
     layers: list[tuple[Any, str]] = []
     if preset is not None:
         layers.append((OmegaConf.load(preset_path(preset)), f"preset {preset!r}"))
@@ -187,36 +232,7 @@ def load_config(
         except Exception as e:  # OmegaConf's errors, and YAML's own (a control character, say)
             first = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"override {item!r} cannot be parsed: {first}") from e
-    layers = [(_from_verl(layer, source, schema, notify), source) for layer, source in layers]
-    for layer, source in layers:
-        try:
-            merged = OmegaConf.merge(merged, layer)
-        except (OmegaConfBaseException, TypeError) as e:
-            # A list where a section or dict belongs (or the reverse) comes as a TypeError, or an
-            # OmegaConf error, without the key in it.
-            clash = None if getattr(e, "full_key", None) else _container_clash(merged, layer, source)
-            if clash is not None:
-                raise clash from e
-            if isinstance(e, TypeError):
-                raise ConfigError(f"{source} does not fit the config's structure: {e}") from e
-            raise _explain(e, source, schema) from e
-    _apply_user_model_defaults(merged, [layer for layer, _ in layers], schema, notify)
-    if schema is Config and merged.trainer.experiment_name is None:
-        # Derived from the model, data and estimator, so that different runs get different directories.
-        merged.trainer.experiment_name = default_experiment_name(
-            OmegaConf.to_container(merged, resolve=False)
-        )
-    try:
-        cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise _explain(e, "the merged config", schema) from e
-    assert isinstance(cfg, schema)
-    if validate_config:
-        if schema is Config:
-            validate(cfg)
-        elif hasattr(cfg, "validate"):
-            cfg.validate()
-    return cfg
+    return layers
 
 
 def _apply_user_model_defaults(
@@ -233,6 +249,37 @@ def _apply_user_model_defaults(
     if changes:
         say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
         say(describe_applied(MODEL_KEY[schema.__name__], changes))
+
+
+def run_device(name: str) -> str:
+    """``trainer.device`` as this process sees it: ``auto`` is ``cuda`` where a GPU is visible.
+
+    Limitation: the device defaults are taken here, on the driver that loads the config, not on the
+    Ray workers: under ``auto`` a CPU head node whose workers have GPUs gets the CPU defaults (set
+    the keys of :data:`tearless.devices.DEVICE_DEFAULTS` yourself there; docs/speed.md)."""
+    if name != "auto":
+        return name
+    import torch  # heavy: only a config that asks for auto needs it, and only here
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _apply_device_defaults(
+    merged: Any, layers: list[Any], device: str | None, notify: Callable[[str], None] | None
+) -> None:
+    """The device's defaults for the keys no layer set (tearless.config.device), announced in one
+    note line when any applies (never on CPU, whose defaults are the schema's); the device is the
+    driver's (:func:`run_device`)."""
+    device = device or run_device(merged.trainer.device)
+    tree = OmegaConf.to_container(merged, resolve=False)
+    explicit = explicit_keys(OmegaConf.to_container(layer, resolve=False) for layer in layers)
+    changes = {}
+    for key, value in device_config_defaults(device, tree, explicit).items():
+        changes[key] = (value, OmegaConf.select(merged, key))
+        OmegaConf.update(merged, key, value)
+    if changes:
+        say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
+        say(describe_device_defaults(device, changes))
 
 
 def to_dict(cfg: Any) -> dict:

@@ -4,9 +4,9 @@ Each checkpoint keeps its config (``trainer_state.pt``'s ``config``). On resume 
 (paths as resolved absolute paths), and each difference falls in one of three kinds:
 
 - **identity** (:data:`tearless.config.identity.IDENTITY_KEYS`: model, tokenizer, LoRA rank and
-  targets, critic, training data, advantage estimator; the embedded task's generator settings when
-  no paths are given): a different run. Always refused, naming the keys and suggesting an
-  experiment name for the new run.
+  targets, critic, distillation teacher, training data, advantage estimator; the embedded task's
+  generator settings when no paths are given): a different run. Always refused, naming the keys and
+  suggesting an experiment name for the new run.
 - **bookkeeping** (:func:`is_bookkeeping`: how long to train, where and how often to log, save and
   validate, micro-batch sizes and token budgets, which leave the gradient unchanged, worker counts
   and timeouts, devices): may always change.
@@ -34,6 +34,7 @@ from tearless.config.identity import (
     normalise,
     uses_embedded_task,
 )
+from tearless.config.schema import KLCtrlConfig
 
 _BOOKKEEPING_KEYS = {
     *(
@@ -54,7 +55,8 @@ _BOOKKEEPING_KEYS = {
 _BOOKKEEPING_SUFFIXES = (
     "micro_batch_size_per_gpu", "micro_batch_size", "max_token_len_per_gpu", "use_dynamic_bsz",
     "enable_gradient_checkpointing", "share_prompt_forward", "use_remove_padding", "use_fused_kernels",
-    "lora_save_merged", "param_offload",
+    "lora_save_merged", "param_offload", "calculate_entropy", "entropy_from_logits_with_chunking",
+    "entropy_checkpointing",
     "optimizer_offload", "reshard_after_forward", "param_dtype",
 )  # fmt: skip
 _BOOKKEEPING_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "ray_init.")
@@ -138,10 +140,13 @@ def check_resume(saved: dict[str, Any] | None, cfg: Config, checkpoint: Path, lo
     return others
 
 
-def apply_config(optimizers: dict[str, tuple[Any, Any, Any]], kl_ctrl: Any, cfg: Config) -> None:
-    """Make the restored state what ``cfg`` says: for each ``name -> (optimizer, scheduler,
+def apply_config(
+    optimizers: dict[str, tuple[Any, Any, Any]], kl_ctrl: Any = None, kl: KLCtrlConfig | None = None
+) -> None:
+    """Make the restored state what the config says: for each ``name -> (optimizer, scheduler,
     optim_cfg)`` the learning rate (initial rate, the schedule's base rate and the current rate
-    base × schedule(step)), weight decay and betas; a fixed KL controller's coefficient.
+    base × schedule(step)), weight decay and betas; a fixed KL controller's coefficient (``kl_ctrl``,
+    set from ``algorithm.kl_ctrl``, ``kl``).
 
     A no-op where nothing changed (the restored values equal the config's)."""
     for optimizer, scheduler, optim in optimizers.values():
@@ -152,7 +157,6 @@ def apply_config(optimizers: dict[str, tuple[Any, Any, Any]], kl_ctrl: Any, cfg:
             scheduler.base_lrs[i] = optim.lr
             group["lr"] = optim.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
         scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-    kl = cfg.algorithm.kl_ctrl
     if kl_ctrl is not None and kl.type == "fixed":
         kl_ctrl.value = float(kl.kl_coef)
 

@@ -76,7 +76,8 @@ class ModelConfig:
         "micro-batch's valid tokens into one row with per-sequence position ids and block-diagonal causal "
         "attention (flash-attention varlen on GPU; per-sequence causal SDPA on CPU), log-probs and "
         "entropies unpacked per sequence; the same numbers as the padded pass to float rounding. Takes the "
-        "place of share_prompt_forward's prompt sharing (identical sequences are still forwarded once)",
+        "place of share_prompt_forward's prompt sharing (identical sequences are still forwarded once). "
+        "Per device (tearless.devices): false on CPU, true on CUDA, unless set",
     )
     use_fused_kernels: bool = doc(
         False,
@@ -173,7 +174,12 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int | None = doc(
         None, "responses per forward/backward; null = the whole mini-batch"
     )
-    use_dynamic_bsz: bool = doc(False, "pack micro-batches by token budget instead of by count")
+    use_dynamic_bsz: bool = doc(
+        False,
+        "pack micro-batches by token budget instead of by count. Per device (tearless.devices): false on "
+        "CPU, true on CUDA unless it or ppo_micro_batch_size_per_gpu is set (then the budget grows to hold "
+        "one max_prompt_length + max_response_length sequence unless set)",
+    )
     ppo_max_token_len_per_gpu: int = doc(16384, "token budget of one micro-batch when use_dynamic_bsz")
     ppo_epochs: int = doc(1, "passes over each step's rollouts")
     shuffle: bool = doc(False, "shuffle responses between PPO epochs")
@@ -190,9 +196,10 @@ class ActorConfig:
     loss_agg_mode: str | None = doc(
         None,
         "token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; "
-        "null = token-mean (veRL's default), except the policy term of gspo, sapo and geo_mean, which "
-        "is seq-mean-token-mean (those modes define it; veRL pins it too). With those modes any other "
-        "explicit value is refused",
+        "null = token-mean (veRL's default), except the policy term of sapo and geo_mean, which is "
+        "seq-mean-token-mean (those modes define it; veRL 0.9.1 pins it too). With those modes any "
+        "other explicit value is refused. gspo takes any mode, as veRL 0.9.1 (its preset: "
+        "seq-mean-token-mean, the paper's)",
     )
     loss_scale_factor: float | None = doc(
         None,
@@ -203,6 +210,27 @@ class ActorConfig:
     tau_neg: float = doc(1.05, "sapo: gate temperature where the advantage is <= 0 (> 0)")
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = doc(0.0, "entropy bonus coefficient (loss −= coeff · entropy)")
+    calculate_entropy: bool = doc(
+        True,
+        "the update computes the policy's entropy over the whole vocabulary for actor/entropy (veRL key); "
+        "false = it does not (it still does for an entropy bonus), and actor/entropy is the sampler's "
+        "entropy of the same tokens (rollout_entropy, free from the built-in engine; the policy before "
+        "the update, as veRL's old-log-prob entropy), absent where the engine gives none. Per device "
+        "(tearless.devices): true on CPU, false on CUDA, unless set",
+    )
+    entropy_from_logits_with_chunking: bool | None = doc(
+        None,
+        "log-probs and entropy from the logits a chunk of tokens at a time, so the (tokens x vocab) "
+        "float32 copy, log-softmax and softmax never exist whole (veRL key; the actor's and reference's "
+        "passes). null = on CUDA when the logits exceed one chunk (2^24 floats: 110 tokens of a 151,936 "
+        "vocabulary), never on CPU (whole tensors, the numbers of runs before it; tearless.devices), "
+        "true = always, false = never",
+    )
+    entropy_checkpointing: bool = doc(
+        False,
+        "recompute the softmax of a differentiated entropy (entropy_coeff != 0) in the backward instead "
+        "of keeping it (veRL key): the chunked function even when one chunk holds the logits",
+    )
     use_kl_loss: bool = doc(False, "add kl_loss_coef · KL(π‖π_ref) to the loss (GRPO style)")
     kl_loss_coef: float = doc(0.001, "KL loss coefficient")
     kl_loss_type: str = doc(
@@ -244,6 +272,9 @@ class MultiTurnConfig:
         None, "tool YAML (see tearless/tools/registry.py); null = the embedded task's (task.name=multihop)"
     )
     max_parallel_calls: int = doc(8, "tool calls running at once (the calls of a turn, across the batch)")
+    max_tool_calls_per_turn: int = doc(
+        16, "a turn with more tool calls is an invalid action (none of them run), with the correction message"
+    )
     max_tool_response_length: int = doc(256, "tool output is cut to this many tokens")
     tool_response_truncate_side: str = doc(
         "middle", "which part of a long tool output is kept: left (the end) | right (the start) | middle"
@@ -287,7 +318,11 @@ class RolloutConfig:
     log_prob_micro_batch_size_per_gpu: int | None = doc(None, "rows per log-prob forward; null = all at once")
     val_kwargs: ValKwargs = field(default_factory=ValKwargs)
     gpu_memory_utilization: float = doc(0.5, "vllm: fraction of GPU memory the engine may take (0, 1]")
-    tensor_model_parallel_size: int = doc(1, "vllm: GPUs one engine's tensor parallelism spans")
+    tensor_model_parallel_size: int = doc(
+        1,
+        "vllm: devices (CPU: groups of cores) one engine's tensor parallelism spans, each a vLLM worker "
+        "process; > 1 needs a single generating worker (one process, or one rollout worker)",
+    )
     free_cache_engine: bool = doc(
         True, "vllm: put the engine to sleep (weights and KV cache released) while training runs"
     )
@@ -297,6 +332,19 @@ class RolloutConfig:
         "CUDA graph (and vLLM captures its own). No effect on CPU",
     )
     weight_sync_timeout_s: float = doc(600.0, "vllm: seconds allowed to load updated weights into the engine")
+    weight_checksum: bool = doc(
+        True,
+        "vllm: after every weight load, compare a sample of every tensor the engine holds (read where it "
+        "lives, in each tensor-parallel worker) with what the trainer sent, bit for bit; a difference "
+        "stops the run naming the tensor",
+    )
+    lora_sync: str | None = doc(
+        None,
+        "vllm with model.lora_rank > 0, hybrid placement: adapter (the engine keeps its frozen base and "
+        "each sync sends only the LoRA adapter, served through vLLM's LoRA support) | merged (the "
+        "merged full weights every sync); null = adapter on GPU, merged on CPU (where vLLM's LoRA "
+        "kernels cost more than a merged sync saves). Separate rollout workers always get merged weights",
+    )
     dtype: str | None = doc(
         None,
         "dtype of a rollout engine's own copy of the policy (vllm, or split rollout workers); null = "
@@ -322,11 +370,32 @@ class RefConfig:
 
 
 @dataclass
+class TeacherModelConfig:
+    path: str | None = doc(
+        None,
+        "the teacher of algorithm.adv_estimator=on_policy_distill: a causal-LM directory or Hub ID that "
+        "shares the actor's tokenizer (same vocabulary and special tokens); forward-only, built and placed "
+        "like the reference model; null = no teacher (TRL GKD's teacher_model_name_or_path, Tinker's "
+        "teacher base_model, prime-rl's teacher_inference.model.name)",
+    )
+
+
+@dataclass
+class TeacherConfig:
+    model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    log_prob_micro_batch_size_per_gpu: int | None = doc(
+        None, "rows per teacher forward; null = all at once (as actor_rollout_ref.ref's)"
+    )
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
 class ActorRolloutRefConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
 
 
 @dataclass
@@ -438,7 +507,14 @@ class AlgorithmConfig:
         "grpo",
         "gae (PPO with a critic) | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | "
         "remax | opo | grpo_passk | gpg (for policy_loss.loss_mode=gpg) | grpo_process (step rewards, "
-        "DeepSeekMath's process supervision)",
+        "DeepSeekMath's process supervision) | on_policy_distill (per-token log π_teacher − log π_student, "
+        "needs actor_rollout_ref.teacher.model.path)",
+    )
+    distill_reward_coef: float = doc(
+        0.0,
+        "on_policy_distill: α of A = log π_teacher − log π_student + α·A_GRPO(task reward); 0 = pure "
+        "distillation, the task reward only logged (prime-rl's adv_tau with teacher_tau = 1; Tinker scales "
+        "the other term, kl_penalty_coef)",
     )
     gamma: float = doc(1.0, "discount γ")
     lam: float = doc(1.0, "GAE λ")
@@ -510,6 +586,65 @@ class StepRewardConfig:
     prm: ProcessRewardModelConfig = field(default_factory=ProcessRewardModelConfig)
 
 
+JUDGE_TEMPLATE = (
+    "Rate how correct the response to the question is, from 0 (wrong) to 10 (fully correct).\n\n"
+    "Question: {prompt}\n\nReference answer: {ground_truth}\n\nResponse: {response}\n\n"
+    "Reply with the number only."
+)
+
+
+@dataclass
+class JudgeConfig:
+    enable: bool = doc(
+        False,
+        "score each response with an LLM judge behind an OpenAI-compatible endpoint (plus rule_weight × "
+        "rule score); tearless.rewards.judge",
+    )
+    base_url: str | None = doc(None, "the endpoint's base URL, e.g. http://127.0.0.1:8000/v1 (vllm serve)")
+    model: str = doc("default", "the model name sent with each request")
+    api_key_env: str | None = doc(
+        "OPENAI_API_KEY", "environment variable holding the API key (sent as a bearer token when set)"
+    )
+    prompt_template: str = doc(
+        JUDGE_TEMPLATE,
+        "the judge's user message; {prompt}, {response} and {ground_truth} are filled in, {{ and }} are "
+        "literal braces",
+    )
+    parser: str = doc(
+        "number",
+        "number: the reply's first number x in score_range [lo, hi] scores (x - lo) / (hi - lo) | "
+        "last_number: the same with its last number (a judge that reasons first) | labels: the reply's "
+        "first label of labels (a whole word, any case) scores its value",
+    )
+    score_range: list = doc(
+        [0, 10], "parser=number or last_number: [lo, hi], the range the template asks for"
+    )
+    labels: dict = doc({}, "parser=labels: label -> score, e.g. {correct: 1.0, incorrect: 0.0}")
+    temperature: float = doc(0.0, "the judge's sampling temperature")
+    max_tokens: int = doc(16, "longest reply in tokens")
+    max_concurrency: int = doc(8, "judge requests in flight at once")
+    timeout_s: float = doc(
+        30.0,
+        "seconds each socket operation of a request (the connect, each read) may block before the request "
+        "counts as failed (and is retried); it does not bound a reply that keeps trickling in",
+    )
+    max_retries: int = doc(
+        3, "retries of a refused, dropped, timed-out, cut-short, non-HTTP, 429 or 5xx request"
+    )
+    backoff_s: float = doc(1.0, "wait before retry k: backoff_s × 2^(k-1) seconds")
+    max_failures: int = doc(
+        10,
+        "stop the run after this many samples in a row (in the order they finish) failed to be judged (a "
+        "judge that is down): nothing more is sent, even within the batch; each failed sample gets "
+        "reward_model.failure_score and counts in reward/failures",
+    )
+    cache_size: int = doc(
+        100_000,
+        "scores kept for requests judged before, the least recently used dropped first (about 200 bytes "
+        "each); 0 = no cache",
+    )
+
+
 @dataclass
 class RewardModelConfig:
     enable: bool = doc(
@@ -524,10 +659,13 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: int | None = doc(None, "pairs per reward-model forward; null = all at once")
     max_length: int | None = doc(None, "reward-model input cap in tokens (keeps the end); null = no cap")
     rule_weight: float = doc(
-        0.0, "with enable: weight of the rule score added to the model score (0 = model only, as veRL)"
+        0.0,
+        "with enable or judge.enable: weight of the rule score added to the model's or judge's score "
+        "(0 = model only, as veRL)",
     )
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     step_reward: StepRewardConfig = field(default_factory=StepRewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     num_workers: int = doc(2, "reward scoring processes (0 = score in the trainer process, no timeout)")
     timeout_s: float = doc(30.0, "per-sample scoring timeout in seconds")
     failure_score: float = doc(0.0, "score given to a sample whose scorer raised or timed out")
@@ -674,6 +812,11 @@ class RayInitConfig:
         None, "CPUs of a local cluster; null = max(cores, workers × trainer.num_cpus_per_worker)"
     )
     runtime_env: RuntimeEnvConfig = field(default_factory=RuntimeEnvConfig)
+    start_timeout_s: float = doc(
+        300.0,
+        "tearless: ray.init must return within this many seconds, else the command stops with one line "
+        "naming Ray's session logs (a start whose workers died waited forever)",
+    )
 
 
 @dataclass

@@ -15,18 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tearless.config.errors import fail, one_of
+from tearless.config.errors import DEVICES, RESUME_MODES, SCHEDULERS, fail, in_range, one_of, positive
 from tearless.config.schema import KEEP_FREED_MEMORY_DOC, CustomRewardConfig, doc
 from tearless.run.tracking import LOGGERS
 
-SCHEDULERS = ("constant", "cosine")
-DEVICES = ("auto", "cpu", "cuda")
-RESUME_MODES = ("auto", "disable", "resume_path")
-
-
-def positive(key: str, value: Any, *, allow_zero: bool = False) -> None:
-    if value is None or value < 0 or (value == 0 and not allow_zero):
-        fail(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}", "Set a positive value.")
+# The offline configs word a value out of its interval as "<value> is not in [a, b)".
+NOT_IN = "{value} is not in {interval}"
 
 
 @dataclass
@@ -181,10 +175,16 @@ def validate_common(data: Any, model: OfflineModelConfig, optim: OfflineOptimCon
     positive("optim.weight_decay", optim.weight_decay, allow_zero=True)
     positive("optim.clip_grad", optim.clip_grad)
     one_of("optim.lr_scheduler", optim.lr_scheduler, SCHEDULERS)
-    if not 0 <= optim.warmup_steps_ratio < 1:
-        fail("optim.warmup_steps_ratio", f"{optim.warmup_steps_ratio} is not in [0, 1)", "Use e.g. 0.1.")
-    if not 0 <= optim.min_lr_ratio <= 1:
-        fail("optim.min_lr_ratio", f"{optim.min_lr_ratio} is not in [0, 1]", "Use e.g. 0.05.")
+    in_range(
+        "optim.warmup_steps_ratio",
+        optim.warmup_steps_ratio,
+        0,
+        1,
+        "Use e.g. 0.1.",
+        high_open=True,
+        problem=NOT_IN,
+    )
+    in_range("optim.min_lr_ratio", optim.min_lr_ratio, 0, 1, "Use e.g. 0.05.", problem=NOT_IN)
 
 
 @dataclass
@@ -205,5 +205,4 @@ class SFTConfig:
             one_of("task.name", self.task.name, ("arithmetic",))
             for key in ("num_train", "num_val", "warmup_steps", "hidden_size", "num_layers"):
                 positive(f"task.{key}", getattr(self.task, key))
-            if not 0 <= self.task.forget_carry <= 1:
-                fail("task.forget_carry", f"{self.task.forget_carry} is not in [0, 1]", "Use e.g. 0.7.")
+            in_range("task.forget_carry", self.task.forget_carry, 0, 1, "Use e.g. 0.7.", problem=NOT_IN)

@@ -17,7 +17,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tearless.config.errors import ConfigError
 from tearless.models.hub import is_hub_id
+from tearless.userfiles import UserFileError, read_user_file
 
 # The embedded tiny models have hidden size 128; the smallest real instruct models have 576
 # (SmolLM2-135M) or more (Qwen2.5-0.5B: 896).
@@ -34,9 +36,10 @@ RL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.rollout.val_kwargs.n": 1,  # veRL
     # Validation generates in batches: bounded memory, and a progress line per batch of a long pass.
     "data.val_batch_size": 32,
-    # bf16 where this machine measured it faster on this model, else float32 (models/calibrate.py).
+    # bf16 where this machine measured it faster on this model, else float32 (workers/calibrate.py).
     "actor_rollout_ref.actor.fsdp_config.param_dtype": "auto",
     "actor_rollout_ref.ref.fsdp_config.param_dtype": "auto",
+    "actor_rollout_ref.teacher.fsdp_config.param_dtype": "auto",
 }
 # LoRA trains a few adapter weights: peers use a 10x larger rate (TRL's LoRA examples use 1e-5 to 1e-4).
 RL_LORA_LR = 1e-5
@@ -51,21 +54,38 @@ OFFLINE_DEFAULTS: dict[str, dict[str, Any]] = {
         "trainer.total_epochs": 1,
         "data.max_response_length": 256,
     },
+    "RMConfig": {
+        "optim.lr": 1e-5,  # TRL's reward-modeling example, full training (RewardConfig's 1e-4: LoRA's)
+        "trainer.total_epochs": 1,  # TRL's example
+    },
 }
-MODEL_KEY = {"Config": "actor_rollout_ref.model.path", "SFTConfig": "model.path", "DPOConfig": "model.path"}
+# LoRA reward models: TRL's RewardConfig default and its example's LoRA rate.
+RM_LORA_LR = 1e-4
+MODEL_KEY = {
+    "Config": "actor_rollout_ref.model.path",
+    "SFTConfig": "model.path",
+    "DPOConfig": "model.path",
+    "RMConfig": "model.path",
+}
 
 
-def is_user_model(path: Any) -> bool:
+def is_user_model(path: Any, key: str = "actor_rollout_ref.model.path") -> bool:
     """Whether ``path`` names a real pretrained model rather than one of the package's tiny ones: a Hub
     ID, a directory whose config's hidden size is >= :data:`REAL_HIDDEN_SIZE`, or one without a
-    readable config (not the package's)."""
+    readable config (not the package's). A ``config.json`` that is not a regular file of sane size (a
+    FIFO, a link to a device, a directory, a broken link) raises ``ConfigError`` naming ``key``."""
     if path is None:
         return False
     if is_hub_id(str(path)):
         return True
     config = Path(os.path.expanduser(str(path))) / "config.json"
+    if not os.path.lexists(config):
+        return True
     try:
-        raw = json.loads(config.read_text())
+        raw = json.loads(read_user_file(config, key=key, kind="config"))
+    except UserFileError as e:
+        # A FIFO here would block start-up and a link to /dev/zero would read until the OOM killer.
+        raise ConfigError(str(e)) from None
     except (OSError, ValueError):
         return True
     raw = raw.get("text_config", raw)
@@ -73,7 +93,8 @@ def is_user_model(path: Any) -> bool:
     return int(hidden) >= REAL_HIDDEN_SIZE
 
 
-def _get(tree: dict, key: str) -> Any:
+def dotted_value(tree: dict, key: str) -> Any:
+    """The value at dotted ``key`` (``"a.b.c"``) of a merged config tree, None where a part is missing."""
     for part in key.split("."):
         if not isinstance(tree, dict) or part not in tree:
             return None
@@ -100,12 +121,14 @@ def explicit_keys(layers: Iterable[dict]) -> set[str]:
 def user_model_defaults(schema_name: str, merged: dict, explicit: set[str]) -> dict[str, Any]:
     """The peer defaults to apply: ``{key: value}`` for keys no layer set, when the model is a user's."""
     model_key = MODEL_KEY.get(schema_name)
-    if model_key is None or not is_user_model(_get(merged, model_key)):
+    if model_key is None or not is_user_model(dotted_value(merged, model_key), model_key):
         return {}
     table = dict(RL_DEFAULTS) if schema_name == "Config" else dict(OFFLINE_DEFAULTS[schema_name])
-    if schema_name == "Config" and (_get(merged, "actor_rollout_ref.model.lora_rank") or 0) > 0:
+    if schema_name == "Config" and (dotted_value(merged, "actor_rollout_ref.model.lora_rank") or 0) > 0:
         table["actor_rollout_ref.actor.optim.lr"] = RL_LORA_LR
-    return {k: v for k, v in table.items() if k not in explicit and _get(merged, k) != v}
+    if schema_name == "RMConfig" and (dotted_value(merged, "model.lora_rank") or 0) > 0:
+        table["optim.lr"] = RM_LORA_LR
+    return {k: v for k, v in table.items() if k not in explicit and dotted_value(merged, k) != v}
 
 
 def describe_applied(model_key: str, changes: dict[str, tuple[Any, Any]]) -> str:

@@ -1,8 +1,9 @@
-"""Checks of the off-policy keys: ``algorithm.rollout_correction.*`` beyond TIS, and ``async_training``."""
+"""Checks of the off-policy keys: ``algorithm.rollout_correction.*`` (the TIS weight and cap, masked IS,
+the veto, bypass mode) and ``async_training``."""
 
 from __future__ import annotations
 
-from tearless.config.errors import fail, one_of
+from tearless.config.errors import count, fail, in_range, one_of
 from tearless.config.schema import Config
 
 RC = "algorithm.rollout_correction"
@@ -17,12 +18,14 @@ def _validate_correction(cfg: Config) -> None:
                 "is a bound of the TIS weight, and rollout_is is null (no weight)",
                 f"Set {RC}.rollout_is=token or sequence, or remove the lower bound.",
             )
-        if not 0 < rc.rollout_is_threshold_lower <= 1:
-            fail(
-                f"{RC}.rollout_is_threshold_lower",
-                f"must be in (0, 1], got {rc.rollout_is_threshold_lower}",
-                "A floor above 1 would raise the weight of samples the policies agree on.",
-            )
+        in_range(
+            f"{RC}.rollout_is_threshold_lower",
+            rc.rollout_is_threshold_lower,
+            0,
+            1,
+            "A floor above 1 would raise the weight of samples the policies agree on.",
+            low_open=True,
+        )
     if rc.rollout_rs is None:
         for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower"):
             if getattr(rc, key) is not None:
@@ -40,18 +43,25 @@ def _validate_correction(cfg: Config) -> None:
                 f"must be set and > 1 with rollout_rs={rc.rollout_rs}, got {upper}",
                 "Ratios above it are rejected; 2.0 for token or sequence, about 1.001 for geometric.",
             )
-        if lower is not None and not 0 <= lower < 1:
-            fail(
+        if lower is not None:
+            in_range(
                 f"{RC}.rollout_rs_threshold_lower",
-                f"must be in [0, 1), got {lower}",
+                lower,
+                0,
+                1,
                 "Ratios below it are rejected; null = 1/rollout_rs_threshold, 0 = no lower bound.",
+                high_open=True,
             )
     veto = rc.rollout_token_veto_threshold
-    if veto is not None and not 0 < veto < 1:
-        fail(
+    if veto is not None:
+        in_range(
             f"{RC}.rollout_token_veto_threshold",
-            f"must be in (0, 1), got {veto}",
+            veto,
+            0,
+            1,
             "A response is rejected when a token's ratio falls below it; veRL suggests 1e-4.",
+            low_open=True,
+            high_open=True,
         )
     if rc.bypass_mode:
         keys = ("rollout_is", "rollout_rs", "rollout_token_veto_threshold")
@@ -70,12 +80,7 @@ def _validate_async(cfg: Config) -> None:
 
     at = cfg.async_training
     key = "async_training"
-    if not isinstance(at.max_staleness, int) or isinstance(at.max_staleness, bool) or at.max_staleness < 0:
-        fail(
-            f"{key}.max_staleness",
-            f"must be an integer >= 0, got {at.max_staleness!r}",
-            "0 = synchronous, 1 = one-step-off.",
-        )
+    count(f"{key}.max_staleness", at.max_staleness, "0 = synchronous, 1 = one-step-off.")
     if not at.enable:
         if at.partial_rollout:
             # Without async_training the loop is synchronous (k = 0): no generation is in flight while
@@ -89,7 +94,7 @@ def _validate_async(cfg: Config) -> None:
         return
     if at.partial_rollout:
         rollout = cfg.actor_rollout_ref.rollout
-        # (an unknown engine name is refused by name in validate.py)
+        # (an unknown engine name is refused by name in validate_rollout.py)
         if rollout.name in ENGINES and not engine_capabilities(rollout.name).resumes_partial:
             fail(
                 f"{key}.partial_rollout",
@@ -103,6 +108,19 @@ def _validate_async(cfg: Config) -> None:
                 "calls, which would each need the interruption)",
                 "Set async_training.partial_rollout=false, or "
                 "actor_rollout_ref.rollout.multi_turn.enable=false.",
+            )
+
+
+def validate_is_cap(cfg: Config) -> None:
+    """Raise ``ConfigError`` for a TIS weight level other than token or sequence, or a cap C below 1."""
+    rc = cfg.algorithm.rollout_correction
+    if rc.rollout_is is not None:
+        one_of(f"{RC}.rollout_is", rc.rollout_is, ("token", "sequence"))
+        if rc.rollout_is_threshold < 1:
+            fail(
+                f"{RC}.rollout_is_threshold",
+                f"must be >= 1, got {rc.rollout_is_threshold}",
+                "The cap C truncates weights above it; 2.0 is veRL's default.",
             )
 
 

@@ -1,4 +1,4 @@
-"""Checks of the actor's loss keys: the policy-loss mode, its knobs and its aggregation."""
+"""Checks of the actor's loss keys: the policy-loss mode, its knobs, its aggregation and the dual-clip cap."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def validate_loss(cfg: Config) -> None:
     if own is not None and actor.loss_agg_mode not in (None, own):
         fail(
             f"{ACTOR}.loss_agg_mode",
-            f"policy_loss.loss_mode={mode} aggregates its loss with {own} by definition (veRL pins it "
-            f"too), so loss_agg_mode={actor.loss_agg_mode} could not apply to it",
+            f"policy_loss.loss_mode={mode} aggregates its loss with {own} by definition (veRL 0.9.1 "
+            f"pins it too), so loss_agg_mode={actor.loss_agg_mode} could not apply to it",
             f"Remove loss_agg_mode (null: {own} for the policy loss, token-mean for the KL and entropy "
             f"terms, as veRL) or set it to {own} (every term).",
         )
@@ -58,3 +58,14 @@ def validate_loss(cfg: Config) -> None:
     ]:
         if value is not None:
             positive(key, value)
+
+
+def validate_dual_clip(cfg: Config) -> None:
+    """Raise ``ConfigError`` unless dual-clip's cap c is above 1 (it bounds the loss at c·|A| for A < 0)."""
+    c = cfg.actor_rollout_ref.actor.clip_ratio_c
+    if c <= 1:
+        fail(
+            f"{ACTOR}.clip_ratio_c",
+            f"must be > 1, got {c}",
+            "Dual-clip caps the loss at c·|A|; c = 3 is the usual value.",
+        )

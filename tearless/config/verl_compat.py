@@ -89,8 +89,7 @@ def _fsdp_rules(prefix: str) -> list[Rule]:
         Rule(f"{prefix}.fsdp_config.seed", "initialisation and sampling are seeded by trainer.seed"),
         Rule(f"{prefix}.fsdp_config.full_determinism", "sampling is keyed by (seed, step, prompt, sample)"),
         Rule(f"{prefix}.fsdp_config.ulysses_sequence_parallel_size", _SP, accept=(1,), instead=_SP_INSTEAD),
-        Rule(f"{prefix}.fsdp_config.entropy_from_logits_with_chunking", "a memory option of veRL's entropy"),
-        Rule(f"{prefix}.fsdp_config.entropy_checkpointing", "a memory option of veRL's entropy"),
+        *_entropy_rules(prefix, f"{prefix}.fsdp_config"),
         Rule(f"{prefix}.fsdp_config.use_torch_compile", _COMPILE),
         Rule(f"{prefix}.fsdp_config.forward_only", "set by veRL itself for the reference worker"),
         Rule(
@@ -132,6 +131,21 @@ def _optim_rules(prefix: str, grad_clip: str) -> list[Rule]:
     ]
 
 
+def _entropy_rules(role: str, section: str) -> list[Rule]:
+    """veRL's two entropy memory keys under ``section`` of ``role``: the actor's keys
+    (``actor.entropy_from_logits_with_chunking`` / ``entropy_checkpointing``) where they are the
+    actor's, the reference following the actor's, the critic having no vocabulary."""
+    keys = ("entropy_from_logits_with_chunking", "entropy_checkpointing")
+    if role == f"{ARR}.actor":
+        return [Rule(f"{section}.{k}", "the actor's key", alias=f"{ARR}.actor.{k}") for k in keys]
+    why = (
+        "the reference's log-probs follow actor_rollout_ref.actor.entropy_from_logits_with_chunking"
+        if role == f"{ARR}.ref"
+        else "the critic computes no log-probs or entropy"
+    )
+    return [Rule(f"{section}.{k}", why) for k in keys]
+
+
 def _worker_rules(prefix: str) -> list[Rule]:
     """Keys shared by veRL's actor, ref and critic worker sections."""
     return [
@@ -151,8 +165,7 @@ def _worker_rules(prefix: str) -> list[Rule]:
         ),
         Rule(f"{prefix}.use_torch_compile", _COMPILE),
         Rule(f"{prefix}.ulysses_sequence_parallel_size", _SP, accept=(1,), instead=_SP_INSTEAD),
-        Rule(f"{prefix}.entropy_from_logits_with_chunking", "a memory option of veRL's entropy"),
-        Rule(f"{prefix}.entropy_checkpointing", "a memory option of veRL's entropy"),
+        *([] if prefix == f"{ARR}.actor" else _entropy_rules(prefix, prefix)),
         Rule(f"{prefix}.data_loader_seed", "the data order is seeded by data.seed / trainer.seed"),
         Rule(
             f"{prefix}.checkpoint.async_save",
@@ -260,7 +273,6 @@ RULES: list[Rule] = [
         instead="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     ),
     Rule(f"{ARR}.actor.freeze_vision_tower", "tearless trains text models"),
-    Rule(f"{ARR}.actor.calculate_entropy", "actor/entropy is always computed and logged"),
     Rule(
         f"{ARR}.actor.use_prefix_grouper",
         "prompt sharing is actor_rollout_ref.model.share_prompt_forward (on by default)",

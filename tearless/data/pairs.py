@@ -12,18 +12,23 @@ so a response's log-probability is :math:`\sum_t m_t \log\pi(x_t \mid x_{<t})` o
 An unpaired row (TRL's unpaired preference format) holds ``prompt``, ``completion`` and ``label`` (true
 = desirable); a paired row given to :class:`UnpairedDataset` becomes two examples, its chosen side
 desirable and its rejected side undesirable (TRL's ``unpair_preference_dataset``).
+
+:class:`RewardPairDataset` reads the same pair rows for a reward model (``tearless rm``), each side
+rendered as the ``reward_model`` role renders what it scores, with TRL's optional ``margin`` column.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tearless.data.rows import DataError
-from tearless.data.sft import as_messages, encode_example, pad_batch, require
+from tearless.data.rows import BuiltItems, DataError
+from tearless.data.sft import as_messages, encode_example, located, pad_batch, require
+from tearless.rewards.model import conversation_ids
 
 
 def pair_messages(
@@ -53,7 +58,7 @@ def pair_messages(
     return prompt, sides[0], sides[1]
 
 
-class PairDataset:
+class PairDataset(BuiltItems):
     """Preference rows tokenised once; ``dataset[i]`` has ``chosen_ids``, ``chosen_mask``,
     ``rejected_ids``, ``rejected_mask`` (lists of ints) and ``index`` (the row's number).
 
@@ -76,11 +81,8 @@ class PairDataset:
         rejected_key: str = "rejected",
         source: str = "<rows>",
     ) -> None:
-        if not records:
-            raise DataError(f"{source} has no rows")
         self._items = []
-        for index, record in enumerate(records):
-            where, row = record if isinstance(record, tuple) else (f"{source}: row {index}", record)
+        for index, (where, row) in enumerate(located(records, source)):
             prompt, chosen, rejected = pair_messages(
                 row, where=where, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key
             )
@@ -96,12 +98,6 @@ class PairDataset:
                 )
                 item[f"{name}_ids"], item[f"{name}_mask"] = enc["input_ids"], enc["loss_mask"]
             self._items.append(item)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self._items[i]
 
 
 def collate_pairs(
@@ -127,7 +123,7 @@ def _label(value: Any, *, where: str, column: str) -> bool:
     )
 
 
-class UnpairedDataset:
+class UnpairedDataset(BuiltItems):
     """Unpaired examples tokenised once, each with a mismatched partner for KTO's KL estimate.
 
     ``dataset[i]`` has ``completion_ids``/``completion_mask`` (prompt + its response), ``kl_ids``/
@@ -158,11 +154,8 @@ class UnpairedDataset:
         kl_seed: int = 0,
         source: str = "<rows>",
     ) -> None:
-        if not records:
-            raise DataError(f"{source} has no rows")
         examples: list[tuple[str, list[dict], list[dict], bool]] = []
-        for index, record in enumerate(records):
-            where, row = record if isinstance(record, tuple) else (f"{source}: row {index}", record)
+        for where, row in located(records, source):
             if completion_key in row or label_key in row:
                 needs = (
                     f"An unpaired row needs {prompt_key!r}, {completion_key!r} and {label_key!r} "
@@ -226,8 +219,64 @@ class UnpairedDataset:
                 }
             )
 
-    def __len__(self) -> int:
-        return len(self._items)
 
-    def __getitem__(self, i: int) -> dict:
-        return self._items[i]
+def _margin(row: dict, *, where: str, column: str) -> float:
+    value = row.get(column)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(
+            f"{where}: column {column!r} is {value!r}; when a file has a margin column every row needs a "
+            "finite number there (data.margin_key)"
+        )
+    return float(value)
+
+
+class RewardPairDataset(BuiltItems):
+    """Preference rows tokenised as a reward model scores them, for ``tearless rm``.
+
+    Each side is prompt + side rendered by :func:`~tearless.rewards.model.conversation_ids`, the
+    rendering of the ``reward_model`` role, so the trained model is scored at use on the token ids it
+    was trained on. ``dataset[i]`` has ``chosen_ids``/``rejected_ids``, ``chosen_mask``/
+    ``rejected_mask`` (1 on the last token only: the reward is the head's output there), ``margin``
+    (TRL's optional ``margin`` column, ``data.margin_key``; 0.0 when the file has none) and ``index``.
+
+    A side longer than ``max_length`` tokens is an error with ``truncation="error"``; with ``"left"``
+    it keeps its last ``max_length`` tokens, as the ``reward_model`` role does at use
+    (``reward_model.max_length``). Other arguments as :class:`PairDataset`.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[tuple[str, dict]] | Sequence[dict],
+        tokenizer: Any,
+        *,
+        max_length: int = 1024,
+        truncation: str = "error",
+        prompt_key: str = "prompt",
+        chosen_key: str = "chosen",
+        rejected_key: str = "rejected",
+        margin_key: str = "margin",
+        source: str = "<rows>",
+    ) -> None:
+        rows = located(records, source)
+        if truncation not in ("error", "left"):
+            raise DataError(f"data.truncation={truncation!r}: a reward model's pairs take error or left")
+        with_margin = any(row.get(margin_key) is not None for _, row in rows)
+        self._items = []
+        for index, (where, row) in enumerate(rows):
+            prompt, chosen, rejected = pair_messages(
+                row, where=where, prompt_key=prompt_key, chosen_key=chosen_key, rejected_key=rejected_key
+            )
+            margin = _margin(row, where=where, column=margin_key) if with_margin else 0.0
+            item: dict[str, Any] = {"index": index, "margin": margin}
+            for name, side in (("chosen", chosen), ("rejected", rejected)):
+                ids = conversation_ids(tokenizer, prompt + side)
+                if len(ids) > max_length:
+                    if truncation == "error":
+                        raise DataError(
+                            f"{where} ({name}): {len(ids)} tokens, longer than data.max_length={max_length}; "
+                            "raise data.max_length or set data.truncation=left (keep the end, as the "
+                            "reward_model role does)"
+                        )
+                    ids = ids[len(ids) - max_length :]
+                item[f"{name}_ids"], item[f"{name}_mask"] = ids, [0] * (len(ids) - 1) + [1]
+            self._items.append(item)

@@ -102,6 +102,35 @@ def check_vocabulary(tokenizer: Any, model_path: str, key: str) -> None:
         )
 
 
+def check_same_tokenizer(student: Any, teacher: Any, key: str) -> None:
+    """Raise :class:`DataError` unless ``teacher`` maps every token to the id ``student`` does and
+    has the same special tokens (BOS, EOS, UNK and the set of all special tokens): a teacher's
+    log-prob is read at the student's token id, so another vocabulary would score other tokens.
+    The pad token is not compared (masks travel with the batch, the pad id is never scored)."""
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    differ = sorted(t for t in mine.keys() | theirs.keys() if mine.get(t) != theirs.get(t))
+    if differ:
+        t = differ[0]
+        raise DataError(
+            f"{key}: the teacher's tokenizer is not the student's ({len(differ)} of {len(mine)} tokens "
+            f"differ, e.g. {t!r}: id {mine.get(t)} for the student, {theirs.get(t)} for the teacher), so "
+            "its log-probs would score other tokens. Use a teacher with the student's tokenizer"
+        )
+    for name in ("bos_token", "eos_token", "unk_token"):
+        if getattr(student, name) != getattr(teacher, name):
+            raise DataError(
+                f"{key}: the teacher's {name} is {getattr(teacher, name)!r}, the student's "
+                f"{getattr(student, name)!r}. Use a teacher with the student's tokenizer"
+            )
+    extra = set(student.all_special_tokens) ^ set(teacher.all_special_tokens)
+    extra -= {student.pad_token, teacher.pad_token}
+    if extra:
+        raise DataError(
+            f"{key}: the teacher's special tokens differ from the student's ({', '.join(sorted(extra))} in "
+            "one only). Use a teacher with the student's tokenizer"
+        )
+
+
 def _probe_in_child(tokenizer: Any, chat_template: str | None, kwargs: dict) -> dict:
     """Render :data:`_PROBES` in a forked child, killed after :data:`TEMPLATE_BUDGET_S` seconds:
     Jinja runs Python that cannot be interrupted from another thread. Returns ``{"timeout": True}``,

@@ -15,13 +15,16 @@ dataset reports as ``index``; for JSON lines the line number (from 1) is given a
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from tearless.userfiles import UserFileError, check_user_file, read_user_file
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model.ground_truth")
 PARQUET_SUFFIXES = (".parquet",)
@@ -32,55 +35,79 @@ class DataError(ValueError):
     """A dataset file or row that cannot be used, with a message saying where and how to fix it."""
 
 
-def load_rows(path: str | os.PathLike) -> list[dict]:
+class BuiltItems:
+    """A dataset whose items are all built in ``__init__`` (``self._items``, one dict per row, in row
+    order): the SFT, preference and reward-pair datasets."""
+
+    _items: list[dict]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i: int) -> dict:
+        return self._items[i]
+
+
+def load_rows(path: str | os.PathLike, key: str = "data.train_files") -> list[dict]:
     """Read every row of one ``.parquet``, ``.jsonl`` or ``.json`` file and check its schema.
 
     JSON files hold one object per line (blank lines are skipped); a ``.json`` file whose content is a
     single JSON array of objects is read as well. Each row is checked with :func:`normalize_row`.
     """
-    path = Path(path)
-    raw, lines = read_raw_rows(path)
+    return [normalize_row(row, where=where) for where, row in located_rows(Path(path), key)]
+
+
+def located_rows(path: str | os.PathLike, key: str = "data.train_files") -> Iterator[tuple[str, Any]]:
+    """Each row of one file as stored, unchecked, after ``where``: its name in error messages
+    (``"f.jsonl: row 3 (line 5)"``, the line for JSON lines only). A file with no rows raises
+    :class:`DataError`; so do the files :func:`read_raw_rows` refuses."""
+    raw, lines = read_raw_rows(path, key)
     if not raw:
         raise DataError(f"{path} has no rows")
-    rows = []
     for i, row in enumerate(raw):
-        where = f"{path}: row {i}" + (f" (line {lines[i]})" if lines else "")
-        rows.append(normalize_row(row, where=where))
-    return rows
+        yield f"{path}: row {i}" + (f" (line {lines[i]})" if lines else ""), row
 
 
-def read_raw_rows(path: str | os.PathLike) -> tuple[list[Any], list[int] | None]:
+def read_raw_rows(
+    path: str | os.PathLike, key: str = "data.train_files"
+) -> tuple[list[Any], list[int] | None]:
     """The rows of one file as stored, unchecked, and for JSON lines each row's line number.
 
     For tools that report every problem of a file rather than stop at the first (``tearless data
-    inspect``); :func:`load_rows` is this plus the checks.
+    inspect``); :func:`load_rows` is this plus the checks. ``key`` is the config key that named the
+    file, for the message when it is not a regular file of sane size (:mod:`tearless.userfiles`).
     """
     path = Path(path)
-    if not path.is_file():
-        hint = " (it is a directory: give the file inside it)" if path.is_dir() else ""
-        raise DataError(
-            f"data file {str(path)!r} does not exist{hint}; check data.train_files / data.val_files"
-        )
+    if not os.path.lexists(path):
+        raise DataError(f"data file {str(path)!r} does not exist; check data.train_files / data.val_files")
+    if path.is_dir():
+        raise DataError(f"{key}: {path} is a directory, not a regular file; give the file inside it")
     suffix = path.suffix.lower()
-    if suffix in PARQUET_SUFFIXES:
-        return _read_parquet(path), None
-    if suffix in JSON_SUFFIXES:
-        return _read_json(path)
+    try:
+        if suffix in PARQUET_SUFFIXES:
+            check_user_file(path, key=key, kind="data")
+            return _read_parquet(path), None
+        if suffix in JSON_SUFFIXES:
+            return _read_json(path, read_user_file(path, key=key, kind="jsonl"))
+    except UserFileError as e:
+        raise DataError(str(e)) from None
     raise DataError(
         f"{path}: unknown file type {suffix!r}; use one of {', '.join(PARQUET_SUFFIXES + JSON_SUFFIXES)}"
     )
 
 
-def load_many(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[dict]:
+def load_many(
+    paths: str | os.PathLike | Sequence[str | os.PathLike], key: str = "data.train_files"
+) -> list[dict]:
     """Concatenate the rows of one path or a list of paths, in order (veRL's ``data.train_files``)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     paths = list(paths)
     if not paths:
-        raise DataError("no data files given; set data.train_files to a path or a list of paths")
+        raise DataError(f"no data files given; set {key} to a path or a list of paths")
     rows: list[dict] = []
     for path in paths:
-        rows.extend(load_rows(path))
+        rows.extend(load_rows(path, key))
     return rows
 
 
@@ -106,6 +133,14 @@ def normalize_row(row: Any, *, where: str) -> dict:
             f"{where}: missing column {missing[0]!r}; {present}. Every row needs "
             f"{', '.join(REQUIRED_COLUMNS)} (veRL's dataset schema)"
         )
+    truth = _lookup(row, "reward_model.ground_truth")
+    bad = _non_finite(truth)
+    if bad is not None:
+        verb = "is" if isinstance(truth, float) else "holds"
+        raise DataError(
+            f"{where}: reward_model.ground_truth {verb} {bad}; no response can match it, so every response "
+            "would score 0. Fix or drop the row"
+        )
     if not isinstance(row["data_source"], str) or not row["data_source"]:
         raise DataError(f"{where}: data_source must be a non-empty string, got {row['data_source']!r}")
     for key in ("ability", "extra_info"):
@@ -115,6 +150,14 @@ def normalize_row(row: Any, *, where: str) -> dict:
     # A plain-text prompt is also kept as ``prompt_text``: the model is fed the text as it is.
     text = {"prompt_text": row["prompt"]} if isinstance(row["prompt"], str) else {}
     return {**row, **text, "prompt": _normalize_prompt(row["prompt"], where)}
+
+
+def _non_finite(value: Any) -> float | None:
+    """The first NaN or infinite float in a ground truth (looked for inside lists and dicts), or None."""
+    if isinstance(value, float):
+        return value if not math.isfinite(value) else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return next((bad for bad in map(_non_finite, items) if bad is not None), None)
 
 
 def write_parquet(rows: Sequence[dict], path: str | os.PathLike) -> None:
@@ -204,8 +247,7 @@ def _read_parquet(path: Path) -> list[dict]:
         raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
 
 
-def _read_json(path: Path) -> tuple[list[Any], list[int]]:
-    raw = path.read_bytes()
+def _read_json(path: Path, raw: bytes) -> tuple[list[Any], list[int]]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

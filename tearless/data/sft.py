@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tearless.data.prompts import TRUNCATION_MODES, render_prompt, truncate
-from tearless.data.rows import DataError, read_raw_rows
+from tearless.data.rows import BuiltItems, DataError, located_rows
 
 
 def read_records(path: str | os.PathLike) -> list[tuple[str, dict]]:
@@ -39,12 +39,8 @@ def read_records(path: str | os.PathLike) -> list[tuple[str, dict]]:
     ``where`` names the row in error messages (``"f.jsonl: row 3 (line 5)"``). An empty file, a
     missing file and an unknown suffix raise :class:`DataError`.
     """
-    raw, lines = read_raw_rows(path)
-    if not raw:
-        raise DataError(f"{path} has no rows")
     out = []
-    for i, row in enumerate(raw):
-        where = f"{path}: row {i}" + (f" (line {lines[i]})" if lines else "")
+    for where, row in located_rows(path):
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected an object with columns, got {type(row).__name__}")
         out.append((where, row))
@@ -57,6 +53,15 @@ def read_many(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[tu
     if not paths:
         raise DataError("no data files given; set data.train_files to a path or a list of paths")
     return [record for path in paths for record in read_records(path)]
+
+
+def located(records: Sequence[tuple[str, dict]] | Sequence[dict], source: str) -> list[tuple[str, dict]]:
+    """The dataset classes' ``records`` as ``(where, row)``: a pair from :func:`read_many` as it is, a
+    plain row named ``"{source}: row {i}"`` in error messages. No records at all raise :class:`DataError`.
+    """
+    if not records:
+        raise DataError(f"{source} has no rows")
+    return [r if isinstance(r, tuple) else (f"{source}: row {i}", r) for i, r in enumerate(records)]
 
 
 def as_messages(value: Any, *, where: str, column: str, role: str) -> list[dict]:
@@ -209,7 +214,7 @@ def encode_example(
     return {"input_ids": ids, "loss_mask": mask}
 
 
-class SFTDataset:
+class SFTDataset(BuiltItems):
     """SFT rows tokenised once; ``dataset[i]`` is ``{"input_ids", "loss_mask", "index"}``.
 
     Identical conversations are tokenised once (generated data repeats them a lot).
@@ -234,12 +239,9 @@ class SFTDataset:
         response_key: str = "response",
         source: str = "<rows>",
     ) -> None:
-        if not records:
-            raise DataError(f"{source} has no rows")
         cache: dict[str, dict[str, list[int]]] = {}
         self._items = []
-        for index, record in enumerate(records):
-            where, row = record if isinstance(record, tuple) else (f"{source}: row {index}", record)
+        for index, (where, row) in enumerate(located(records, source)):
             messages = row_messages(
                 row, where=where, messages_key=messages_key, prompt_key=prompt_key, response_key=response_key
             )
@@ -249,12 +251,6 @@ class SFTDataset:
                     tokenizer, messages, max_length=max_length, truncation=truncation, where=where
                 )
             self._items.append({**cache[key], "index": index})
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self._items[i]
 
 
 def pad_batch(items: Sequence[dict], *, pad_token_id: int) -> dict[str, torch.Tensor]:

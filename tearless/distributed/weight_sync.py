@@ -63,8 +63,18 @@ class WeightBroadcast:
         """Rank 0's ``tensor`` into every member's ``tensor`` (in place); returns it."""
         import torch.distributed as dist
 
+        if self.group is None:
+            raise RuntimeError("the weight broadcast group is closed")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.rootTensor = 0
         self.group.broadcast([tensor], opts).wait()
         return tensor
+
+    def close(self) -> None:
+        """Shut the group down and drop the store (idempotent). Left to the interpreter's exit, NCCL
+        warns that a process group was never destroyed, and its communicators outlive the run's end."""
+        if self.group is not None:
+            self.group.shutdown()
+            self.group = None
+        self.store = None

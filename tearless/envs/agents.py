@@ -21,15 +21,13 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from tearless.envs.base import load_object
 from tearless.envs.contain import Outcome, run_contained
 from tearless.envs.endpoint import Endpoint, Session
-from tearless.envs.loop import env_scores, episode_row, pack
-from tearless.rollout.agent import AgentRollout, AgentSettings, agent_metrics
+from tearless.envs.loop import env_scores, episode_row
+from tearless.rollout.agent import AgentSettings
 from tearless.rollout.engine import RolloutOutput
-from tearless.rollout.seeds import sample_keys
+from tearless.rollout.multiturn import AgentRollout, Scores, agent_metrics, pack, trajectory_keys
 from tearless.rollout.toolcalls import detect_family
 
 
@@ -51,8 +49,8 @@ def _reward(value: Any) -> tuple[float, bool | None]:
 
 
 class ProgramLoop:
-    """Generates episodes by running an agent program per episode (see the module docstring); the
-    same call as :class:`~tearless.rollout.agent.AgentLoop`, and the agents own the reward."""
+    """Generates episodes by running an agent program per episode (see the module docstring); a
+    :class:`~tearless.rollout.multiturn.RewardingLoop`: the agents own the reward."""
 
     owns_reward = True
 
@@ -84,10 +82,11 @@ class ProgramLoop:
         response tokens; episode j of item i seeds its call c with ``mix(mix(keys[i], j), c)``."""
         if self.endpoint is None:
             self.endpoint = Endpoint(self.engine, self.tokenizer, family=self.family)
-        if keys is None:
-            keys = torch.randint(0, 2**62, (len(items),)).tolist()
         expanded = [it for it in items for _ in range(n)]
-        sids = [self.endpoint.open_session(k, max_new_tokens, sampling) for k in sample_keys(keys, n)]
+        sids = [
+            self.endpoint.open_session(k, max_new_tokens, sampling)
+            for k in trajectory_keys(keys, len(items), n)
+        ]
         rows = [episode_row(it) for it in expanded]
         calls = [
             self._episode(self.endpoint.session_url(sid), row) for sid, row in zip(sids, rows, strict=True)
@@ -164,7 +163,7 @@ class ProgramLoop:
             n, i = n + 1, session.calls[i].parent
         return n
 
-    def score(self, tokenizer: Any, out: RolloutOutput, info: list[dict]) -> dict[str, Any]:
+    def score(self, tokenizer: Any, out: RolloutOutput, info: list[dict]) -> Scores:
         """As :meth:`tearless.envs.loop.EnvLoop.score`, plus ``agent_unmerged_calls`` (calls of an
         episode outside its trained trajectory)."""
         scored = env_scores(tokenizer, out, info)

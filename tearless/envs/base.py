@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
+
+from tearless.userfiles import check_user_file
 
 Messages = list[dict[str, Any]]
 
@@ -114,8 +117,9 @@ def load_object(spec: str, where: str) -> Any:
         )
     if module_part.endswith(".py"):
         path = Path(module_part)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ValueError(f"{where}={spec!r}: {path} is not a file")
+        check_user_file(path, key=where, kind="code")
         module_spec = importlib.util.spec_from_file_location(f"tearless_user_env_{path.stem}", path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)

@@ -2,8 +2,9 @@
 
 For each episode a fresh environment is built (``factory()``), ``reset(row)`` gives the first
 observation, rendered with the chat template (and the environment's ``tools``) as the prompt. Then,
-turn after turn, the engine generates the model's turn for every active episode at once (a turn ends
-at EOS), the turn goes to ``step`` (all episodes' steps concurrently, each with a timeout), and the
+turn after turn (the one turn loop, :meth:`~tearless.rollout.multiturn.TurnLoop.run_turns`), the engine
+generates the model's turn for every active episode at once (a turn ends at EOS), the turn goes to
+``step`` (all episodes' steps concurrently, each with a timeout: :meth:`EnvLoop.respond`), and the
 observation's template tokens are appended (:class:`~tearless.envs.render.ChatRenderer`):
 
     prompt | model turn 1 | observation 1 | model turn 2 | … | last model turn
@@ -35,30 +36,36 @@ import torch
 from tearless.envs.base import Environment, Messages, Step, as_messages
 from tearless.envs.contain import Outcome, run_contained
 from tearless.envs.render import ChatRenderer
-from tearless.rollout.agent import AgentRollout, AgentSettings, agent_metrics
-from tearless.rollout.engine import RolloutOutput, left_pad, right_pad
-from tearless.rollout.seeds import mix, sample_keys
+from tearless.rollout.agent import AgentSettings
+from tearless.rollout.engine import RolloutOutput
+from tearless.rollout.multiturn import (
+    AgentRollout,
+    Reply,
+    Scores,
+    TokenTrajectory,
+    Turn,
+    TurnLoop,
+    agent_metrics,
+    pack,
+    trajectory_keys,
+)
 from tearless.rollout.toolcalls import detect_family, parse_tool_calls
 
+# The start of a failed episode's error message among a round's reward errors: its sample gets
+# reward 0 and a zero loss mask, not reward_model.failure_score (tearless.trainers.reward_errors).
+EPISODE_FAILED = "episode failed: "
 
-@dataclass
-class Episode:
-    """One episode's tokens and bookkeeping; ``ids``/``mask``/``logps`` cover the response."""
+
+@dataclass(kw_only=True)
+class Episode(TokenTrajectory):
+    """One episode's tokens (``user_turns`` counts its observations) and its environment's
+    bookkeeping."""
 
     row: dict
     fallback_prompt: list[int]
     env: Any = None
-    prompt: list[int] = field(default_factory=list)
-    key: int = 0
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
-    turns: int = 0
-    observations: int = 0
-    done: bool = False
     finished: bool = False
-    truncated: bool = False
     success: bool | None = None
     error: str | None = None
     timed_out: bool = False
@@ -91,13 +98,17 @@ def _call(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
 
 
-class EnvLoop:
+class EnvLoop(TurnLoop):
     """Generates episodes of ``factory``'s environments with an engine (see the module docstring).
 
-    Same call as :class:`~tearless.rollout.agent.AgentLoop`; the environments own the reward
-    (``owns_reward``), so the rank scores with :meth:`score` instead of the reward manager."""
+    A :class:`~tearless.rollout.multiturn.RewardingLoop`: the environments own the reward
+    (``owns_reward``), so the rank scores with :meth:`score` instead of the reward manager; a
+    :class:`~tearless.rollout.multiturn.TurnLoop` that answers a turn with the environments' ``step``."""
 
     owns_reward = True
+    # The event loop of the current generate call: an async environment's reset, steps and close
+    # share it (one it built in reset may hold loop-bound resources).
+    _events: asyncio.AbstractEventLoop
 
     def __init__(
         self,
@@ -132,35 +143,31 @@ class EnvLoop:
     ) -> AgentRollout:
         """``n`` episodes per item (rows of an item adjacent), each at most ``max_new_tokens`` response
         tokens. Episode j of item i samples turn t with the key ``mix(mix(keys[i], j), t)``."""
-        if keys is None:
-            keys = torch.randint(0, 2**62, (len(items),)).tolist()
         episodes = [
-            Episode(episode_row(it), list(it.get("input_ids") or []), key=k)
-            for it, k in zip([it for it in items for _ in range(n)], sample_keys(keys, n), strict=True)
+            Episode(row=episode_row(it), fallback_prompt=list(it.get("input_ids") or []), key=k)
+            for it, k in zip(
+                [it for it in items for _ in range(n)], trajectory_keys(keys, len(items), n), strict=True
+            )
         ]
-        loop = asyncio.new_event_loop()
+        self._events = asyncio.new_event_loop()
         try:
-            self._reset(loop, episodes)
-            for turn in range(1, self.settings.max_assistant_turns + 1):
-                active = [e for e in episodes if not e.done]
-                if not active:
-                    break
-                self._turn(loop, active, turn, max_new_tokens, sampling)
-            self._close(loop, episodes)
+            self._reset(episodes)
+            self.run_turns(episodes, max_new_tokens, sampling)
+            self._close(episodes)
         finally:
-            loop.close()
+            self._events.close()
         return self._assemble(episodes, items, n)
 
-    def _contained(self, loop, calls: list[Callable[[], Any]], what: str) -> list[Outcome]:
+    def _contained(self, calls: list[Callable[[], Any]], what: str) -> list[Outcome]:
         return run_contained(
-            loop,
+            self._events,
             calls,
             max_parallel=self.settings.max_parallel_calls,
             timeout_s=self.env_timeout_s,
             what=what,
         )
 
-    def _reset(self, loop, episodes: list[Episode]) -> None:
+    def _reset(self, episodes: list[Episode]) -> None:
         def start(e: Episode) -> Callable[[], Any]:
             def build() -> Any:
                 e.env = self.factory()
@@ -170,13 +177,13 @@ class EnvLoop:
 
         for e, out in zip(
             episodes,
-            self._contained(loop, [start(e) for e in episodes], "creating the environment"),
+            self._contained([start(e) for e in episodes], "creating the environment"),
             strict=True,
         ):
             if out.error:
                 e.fail(out)
         ready = [e for e in episodes if not e.done]
-        outs = self._contained(loop, [_call(e.env.reset, e.row) for e in ready], "env.reset")
+        outs = self._contained([_call(e.env.reset, e.row) for e in ready], "env.reset")
         for e, out in zip(ready, outs, strict=True):
             if out.error:
                 e.fail(out)
@@ -190,63 +197,48 @@ class EnvLoop:
             if e.error is not None:  # a failed episode still needs a prompt row: the data row's own
                 e.prompt = e.fallback_prompt or [self.engine.pad_token_id]
 
-    def _turn(self, loop, active: list[Episode], turn: int, limit: int, sampling: dict) -> None:
-        out = self.engine.generate(
-            [e.prompt + e.ids for e in active],
-            n=1,
-            max_new_tokens=max(limit - len(e.ids) for e in active),
-            keys=[mix(e.key, turn) for e in active],
-            **sampling,
-        )
-        for j, e in enumerate(active):
-            valid = out.response_mask[j].bool()
-            room = limit - len(e.ids)
-            new = out.response_ids[j][valid].tolist()[:room]
-            e.ids += new
-            e.mask += [1] * len(new)
-            e.logps += out.log_probs[j][valid].tolist()[:room]
-            e.turns += 1
-            e.truncated = len(e.ids) >= limit and not (new and new[-1] in self.eos)
-        turns = [
-            self._model_turn(e, out.response_ids[j][out.response_mask[j].bool()].tolist())
-            for j, e in enumerate(active)
-        ]
-        outs = self._contained(
-            loop, [_call(e.env.step, t) for e, t in zip(active, turns, strict=True)], "env.step"
-        )
+    def respond(self, active: list[Episode], turns: list[Turn]) -> list[Reply]:
+        """Every active episode's ``step`` with its turn, concurrently, each contained
+        (:func:`~tearless.envs.contain.run_contained`): a step that says done ends the episode, a final
+        turn ends it (its step still earns its reward), otherwise the observation's template tokens
+        follow. A turn that fills the budget without EOS is truncated; an environment that fails ends
+        its episode as failed."""
+        messages = [self._model_turn(e, t.sampled) for e, t in zip(active, turns, strict=True)]
+        steps = [_call(e.env.step, m) for e, m in zip(active, messages, strict=True)]
+        outs = self._contained(steps, "env.step")
         s = self.settings
-        for e, t, res in zip(active, turns, outs, strict=True):
+        replies = []
+        for e, t, m, res in zip(active, turns, messages, outs, strict=True):
+            ended = Reply(done=True, truncated=t.full and not (t.ids and t.ids[-1] in self.eos))
             if res.error:
                 e.fail(res)
+                replies.append(ended)
                 continue
             step = res.value
             if not isinstance(step, Step):
                 e.fail(Outcome(error=f"env.step returned {type(step).__name__}, not tearless.envs.Step"))
+                replies.append(ended)
                 continue
-            e.messages.append(t)
+            e.messages.append(m)
             e.rewards.append(float(step.reward))
             if "success" in step.info:
                 e.success = bool(step.info["success"])
-            if step.done:
-                e.done = e.finished = True
-            elif (
-                e.truncated
-                or len(e.ids) >= limit
-                or turn == s.max_assistant_turns
-                or e.observations >= s.max_user_turns
-            ):
-                e.done = True
-            else:
-                try:
-                    obs = as_messages(step.observation, "env.step's observation")
-                    tokens = self.renderer(getattr(e.env, "tools", None)).after_turn(
-                        obs, max_content_tokens=s.max_tool_response_length, side=s.tool_response_truncate_side
-                    )
-                except Exception as err:  # a bad observation is the environment's failure
-                    e.fail(Outcome(error=f"env.step: {type(err).__name__}: {err}"))
-                    continue
-                e.messages += obs
-                self._append_env(e, tokens, limit)
+            if step.done or t.final:
+                e.finished = step.done
+                replies.append(ended)
+                continue
+            try:
+                obs = as_messages(step.observation, "env.step's observation")
+                tokens = self.renderer(getattr(e.env, "tools", None)).after_turn(
+                    obs, max_content_tokens=s.max_tool_response_length, side=s.tool_response_truncate_side
+                )
+            except Exception as err:  # a bad observation is the environment's failure
+                e.fail(Outcome(error=f"env.step: {type(err).__name__}: {err}"))
+                replies.append(ended)
+                continue
+            e.messages += obs
+            replies.append(Reply(tokens))
+        return replies
 
     def _model_turn(self, e: Episode, ids: list[int]) -> dict:
         """The model's turn as an assistant message (tool calls parsed when the env has tools)."""
@@ -255,26 +247,15 @@ class EnvLoop:
         text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if not getattr(e.env, "tools", None):
             return {"role": "assistant", "content": text}
-        parsed = parse_tool_calls(text, self.family)
+        parsed = parse_tool_calls(text, self.family, self.settings.max_tool_calls_per_turn)
         msg = parsed.message()
         if parsed.problem:
             msg["tool_call_problem"] = parsed.problem
         return msg
 
-    @staticmethod
-    def _append_env(e: Episode, tokens: list[int], limit: int) -> None:
-        e.observations += 1
-        room = limit - len(e.ids)
-        if len(tokens) >= room:
-            tokens = tokens[:room]
-            e.done = e.truncated = True
-        e.ids += tokens
-        e.mask += [0] * len(tokens)
-        e.logps += [0.0] * len(tokens)
-
-    def _close(self, loop, episodes: list[Episode]) -> None:
+    def _close(self, episodes: list[Episode]) -> None:
         closing = [e for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
-        self._contained(loop, [_call(e.env.close) for e in closing], "env.close")
+        self._contained([_call(e.env.close) for e in closing], "env.close")
 
     def _assemble(self, episodes: list[Episode], items: list[dict], n: int) -> AgentRollout:
         pad = self.engine.pad_token_id
@@ -307,7 +288,7 @@ class EnvLoop:
         ]
         return AgentRollout(out, info, agent_metrics(info, out.response_mask, out.response_attention_mask))
 
-    def score(self, tokenizer: Any, out: RolloutOutput, info: list[dict]) -> dict[str, Any]:
+    def score(self, tokenizer: Any, out: RolloutOutput, info: list[dict]) -> Scores:
         """The rank's scores from the episodes' own rewards, in the form of
         :func:`tearless.workers.scoring.score_responses`: ``scores`` :math:`R = \\sum_t r_t`, ``correct``
         (``info["success"]``, else :math:`R \\ge 1`), ``extras`` ``env_failed``/``env_timeout``/
@@ -315,28 +296,7 @@ class EnvLoop:
         return env_scores(tokenizer, out, info)
 
 
-def pack(
-    prompts: list[list[int]],
-    responses: list[tuple[list[int], list[int], list[float]]],
-    truncated: list[bool],
-    pad: int,
-) -> RolloutOutput:
-    """A rollout of token lists: prompts left-padded; responses ``(ids, loss mask, log-probs)``
-    right-padded, attention 1 on every real response token."""
-    prompt_ids, prompt_mask = left_pad(prompts, pad)
-    width = max(1, max(len(r[0]) for r in responses))
-    return RolloutOutput(
-        prompt_ids=prompt_ids,
-        prompt_mask=prompt_mask,
-        response_ids=right_pad([r[0] for r in responses], pad, torch.long, width),
-        response_mask=right_pad([r[1] for r in responses], 0, torch.long, width),
-        log_probs=right_pad([r[2] for r in responses], 0.0, torch.float32, width),
-        truncated=torch.tensor(truncated, dtype=torch.bool),
-        response_attention_mask=right_pad([[1] * len(r[0]) for r in responses], 0, torch.long, width),
-    )
-
-
-def env_scores(tokenizer: Any, out: RolloutOutput, info: list[dict]) -> dict[str, Any]:
+def env_scores(tokenizer: Any, out: RolloutOutput, info: list[dict]) -> Scores:
     """See :meth:`EnvLoop.score`."""
     texts = [
         tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
@@ -346,7 +306,8 @@ def env_scores(tokenizer: Any, out: RolloutOutput, info: list[dict]) -> dict[str
     errors: dict[str, list] = {}
     for r in info:
         if r["env_error"] is not None:
-            entry = errors.setdefault(r["env_error"], [0, r["env_traceback"] or r["env_error"]])
+            message = EPISODE_FAILED + r["env_error"]
+            entry = errors.setdefault(message, [0, r["env_traceback"] or r["env_error"]])
             entry[0] += 1
     return {
         "scores": torch.tensor(scores, dtype=torch.float32),

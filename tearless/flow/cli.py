@@ -21,9 +21,9 @@ HELPS = {
 
 def base_model(cfg: Any, task: Any, log: Any = print) -> tuple[Any, Path]:
     """The model at ``model.path``, or the task's cached pre-trained base (built first if missing)."""
+    from tearless.cachedir import default_cache_dir
     from tearless.flow.models import load_flow_model
     from tearless.flow.pretrain import pretrained_base
-    from tearless.tasks.bootstrap import default_cache_dir
 
     if cfg.model.path is not None:
         model, info = load_flow_model(cfg.model.path)

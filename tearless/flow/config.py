@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tearless.config.errors import DEVICES, fail, in_range, one_of, positive
 from tearless.config.schema import doc
-from tearless.config.sft import DEVICES, fail, one_of, positive
 from tearless.run.tracking import LOGGERS
 
 TASKS = ("points2d", "shapes")
@@ -148,10 +148,7 @@ class FlowConfig:
             if getattr(self.pretrain, key) != -1:
                 positive(f"pretrain.{key}", getattr(self.pretrain, key))
         positive("pretrain.lr", self.pretrain.lr)
-        if not 0 <= self.pretrain.cfg_dropout < 1:
-            fail(
-                "pretrain.cfg_dropout", f"must be in [0, 1), got {self.pretrain.cfg_dropout}", "Use e.g. 0.1."
-            )
+        in_range("pretrain.cfg_dropout", self.pretrain.cfg_dropout, 0, 1, "Use e.g. 0.1.", high_open=True)
         s = self.sample
         positive("sample.num_steps", s.num_steps)
         positive("sample.eval_num_steps", s.eval_num_steps)
@@ -191,8 +188,7 @@ class FlowConfig:
         positive("train.weight_decay", t.weight_decay, allow_zero=True)
         one_of("train.std_scope", t.std_scope, ("batch", "group"))
         one_of("train.kl_variant", t.kl_variant, ("exact", "official"))
-        if not 0 < t.ema_decay < 1:
-            fail("train.ema_decay", f"must be in (0, 1), got {t.ema_decay}", "Use e.g. 0.9.")
+        in_range("train.ema_decay", t.ema_decay, 0, 1, "Use e.g. 0.9.", low_open=True, high_open=True)
         if t.timesteps is None:
             if not 0 < t.timestep_fraction <= 1 or int(s.num_steps * t.timestep_fraction) < 1:
                 fail(
@@ -201,8 +197,20 @@ class FlowConfig:
                     "Use a fraction in (0, 1] with int(num_steps·fraction) >= 1.",
                 )
         else:
+            # One index (train.timesteps=2) is not a list: read as a count it would train other steps
+            # than as an index, so the user says which.
+            if not isinstance(t.timesteps, (list, tuple)):
+                fail(
+                    "train.timesteps",
+                    f"{t.timesteps!r} is not a list of step indices",
+                    f"Write a list, e.g. train.timesteps=[{t.timesteps}] to train that one step, or set "
+                    "train.timestep_fraction to train the first steps.",
+                )
             steps = list(t.timesteps)
-            bad = [i for i in steps if not isinstance(i, int) or not 0 <= i < s.num_steps]
+            # bool is an int subclass: train.timesteps=[true] is not step 1
+            bad = [
+                i for i in steps if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < s.num_steps
+            ]
             if not steps or bad or len(set(steps)) != len(steps):
                 fail(
                     "train.timesteps",

@@ -13,8 +13,6 @@ rate to 0.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import shutil
 import time
@@ -25,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tearless.cachedir import settings_key
 from tearless.flow.models import load_flow_model, save_flow_model
 from tearless.flow.tasks import TASKS_VERSION, FlowTask
 
@@ -76,11 +75,6 @@ def pretrain(
     return losses
 
 
-def pretrain_key(settings: dict[str, Any]) -> str:
-    """Cache key of a pre-trained base model: a hash of everything that determines it."""
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-
-
 def pretrained_base(
     task: FlowTask,
     settings: dict[str, Any],
@@ -92,7 +86,7 @@ def pretrained_base(
     """The task's base model pre-trained with ``settings`` (steps, batch_size, lr, cfg_dropout, seed,
     model kwargs under ``model``), loaded from ``cache_dir`` or trained and cached there first."""
     identity = {"task": task.name, "version": TASKS_VERSION, "num_prompts": task.num_prompts}
-    key = pretrain_key({**identity, **settings})
+    key = settings_key({**identity, **settings})  # a hash of everything that determines the model
     path = cache_dir / f"{task.name}-{key}"
     if (path / "flow_model.json").is_file() and not fresh:
         return load_flow_model(path)[0], path

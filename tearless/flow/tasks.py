@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from tearless.flow.models import ConvVelocity, MLPVelocity
+from tearless.userfiles import check_user_file
 
 RewardFn = Callable[[Tensor, Tensor], Tensor]
 TASKS_VERSION = 1  # bump when a task's data change, so cached pre-trained base models are rebuilt
@@ -214,8 +216,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     where, name = spec.rsplit(":", 1)
     if where.endswith(".py"):
         path = Path(where)
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"task.reward_fn: file {where!r} does not exist")
+        check_user_file(path, key="task.reward_fn", kind="code")
         module_spec = importlib.util.spec_from_file_location(f"_tearless_flow_reward_{path.stem}", path)
         assert module_spec is not None and module_spec.loader is not None
         module = importlib.util.module_from_spec(module_spec)

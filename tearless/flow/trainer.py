@@ -41,7 +41,6 @@ import torch
 from torch import Tensor, nn
 
 from tearless.algos import compute_advantage, gaussian_kl, policy_loss
-from tearless.config.load import to_dict
 from tearless.flow.config import FlowConfig
 from tearless.flow.models import save_flow_model
 from tearless.flow.sampler import (
@@ -54,7 +53,8 @@ from tearless.flow.sampler import (
 )
 from tearless.flow.tasks import FlowTask, RewardFn, image_grid
 from tearless.run.checkpoint import save_checkpoint
-from tearless.run.tracking import Tracker
+from tearless.trainers.progress import run_tracker
+from tearless.workers.optim import adamw
 
 
 def flow_advantages(
@@ -187,9 +187,7 @@ class FlowGRPOTrainer:
             if tc.beta > 0:
                 self.ref = copy.deepcopy(base_model).requires_grad_(False)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(
-            self.params, lr=tc.lr, betas=tuple(tc.betas), weight_decay=tc.weight_decay
-        )
+        self.opt = adamw(self.params, tc.lr, tc.betas, tc.weight_decay)
         self.ema = EMA(self.params, tc.ema_decay) if tc.ema else None
         self.train_sigmas = (
             sigma_schedule(cfg.sample.num_steps, cfg.shift()) if train_sigmas is None else train_sigmas
@@ -355,16 +353,8 @@ class FlowGRPOTrainer:
         """Run ``train.epochs`` epochs with evaluation and checkpoints; returns before/after metrics."""
         cfg, t = self.cfg, self.cfg.trainer
         total = cfg.train.epochs
-        tracker = Tracker(
-            self.run_dir,
-            t.logger,
-            total_steps=total,
-            config=to_dict(cfg),
-            project=t.project_name,
-            experiment=t.experiment_name,
-            log_freq=t.log_freq,
-            key_metrics={"reward/mean": "reward", "val/reward": "val", "actor/kl_loss": "kl"},
-        )
+        key_metrics = {"reward/mean": "reward", "val/reward": "val", "actor/kl_loss": "kl"}
+        tracker = run_tracker(self.run_dir, cfg, total_steps=total, key_metrics=key_metrics)
         start, cpu_start = time.perf_counter(), time.process_time()
         try:
             before, before_x, ids = self.evaluate()

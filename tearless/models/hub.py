@@ -20,6 +20,8 @@ import re
 import shutil
 from pathlib import Path
 
+from tearless.userfiles import check_model_files
+
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 _TRUE = {"1", "on", "yes", "true"}
@@ -142,5 +144,8 @@ def add_to_hub_cache(
 
 
 def local_model_path(path: str, key: str) -> str:
-    """``path`` itself, or the snapshot directory of the Hub ID it names (see :func:`resolve_hub_model`)."""
-    return str(resolve_hub_model(path, key)) if is_hub_id(path) else path
+    """``path`` itself, or the snapshot directory of the Hub ID it names (see :func:`resolve_hub_model`),
+    once its files passed :func:`tearless.userfiles.check_model_files` (regular files of sane size)."""
+    local = str(resolve_hub_model(path, key)) if is_hub_id(path) else path
+    check_model_files(local, key=key)
+    return local

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tearless.models.hub import is_hub_id, resolve_hub_model
+from tearless.userfiles import check_model_files
 
 DTYPES = {
     "float32": torch.float32,
@@ -20,13 +21,19 @@ DTYPES = {
 }
 
 
+class NonFiniteWeights(ValueError):
+    """A model whose stored weights hold NaN or infinite values; the message names the key and tensor."""
+
+
 def check_model_dir(path: str | os.PathLike, key: str) -> Path:
     """The local model directory for ``key``'s value: the directory itself, or the cached snapshot
     of a Hub ID ``org/name[@revision]`` (downloaded unless ``HF_HUB_OFFLINE``, see
-    :mod:`tearless.models.hub`); one clear error naming the key when it is neither."""
+    :mod:`tearless.models.hub`); one clear error naming the key when it is neither, or when a file
+    there is not a regular file of sane size (:func:`tearless.userfiles.check_model_files`)."""
     p = Path(path).expanduser()
     if is_hub_id(path):
         p = resolve_hub_model(str(path), key)
+    check_model_files(p, key=key)
     if not (p / "config.json").is_file() and not (p / "tokenizer_config.json").is_file():
         raise FileNotFoundError(
             f"{key}={path!s}: no Hugging Face model directory there (expected config.json or "
@@ -108,10 +115,32 @@ def load_causal_lm(
                 )
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
+            check_finite_weights(model, f"{key}={path}")
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
         model.config.use_cache = False
     return model
+
+
+def check_finite_weights(model: torch.nn.Module, where: str) -> None:
+    """Raise :class:`NonFiniteWeights` when a parameter or buffer of ``model`` holds NaN or ±inf.
+
+    Such a model samples garbage and its first update blows up, which the run would otherwise blame
+    on the learning rate. One pass over the weights (≈ 0.1 s for 135M parameters on a CPU).
+    """
+    total, first = 0, None
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_floating_point() or tensor.device.type == "meta":
+            continue
+        bad = int((~torch.isfinite(tensor.detach())).sum())
+        if bad and first is None:
+            first = name
+        total += bad
+    if total:
+        raise NonFiniteWeights(
+            f"{where}: the weights hold {total} non-finite values (first in {first}); the files are "
+            "damaged or were saved from a run that diverged: load an earlier checkpoint or the base model"
+        )
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:

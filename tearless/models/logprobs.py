@@ -19,6 +19,15 @@ variable-length kernels, with plain batched forwards:
 - The responses are forwarded in length buckets: rows sorted by length and cut where padding them to
   one width would cost more than another forward (:func:`length_buckets`), so a batch of 40-token
   answers with one 64-token straggler no longer pads every row to 64.
+
+On CUDA, log-probs and entropies are taken from the logits a chunk of tokens at a time
+(:func:`tearless.models.chunked.chunked_logits_logprobs`) when one chunk's float32 logits
+(:data:`~tearless.models.chunked.CHUNK_ELEMENTS`) cannot hold them all, so that a 151,936-token
+vocabulary never has its (tokens × vocabulary) float32 copy, log-softmax or softmax formed whole; a
+batch that fits in one chunk (the embedded tiny models' always do), and any batch on a CPU
+(:data:`tearless.devices.DEVICE_DEFAULTS`), takes the whole-tensor functions unless
+``entropy_from_logits_with_chunking`` says otherwise.
+The entropy, a full pass over the vocabulary, is computed only when asked for.
 """
 
 from __future__ import annotations
@@ -28,14 +37,12 @@ import functools
 import torch
 
 from tearless.algos import entropy_from_logits, logprobs_from_logits
-from tearless.models.chunked import chunked_logprobs
+from tearless.devices import bucket_overhead_tokens, device_defaults
+from tearless.models.chunked import chunk_tokens, chunked_logits_logprobs, chunked_logprobs
 from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import pack_rows, packable, packed_forward
 from tearless.models.precision import autocast_for
-
-# What one more forward costs, in response tokens: an extra bucket must save more padding than this.
-BUCKET_OVERHEAD_TOKENS = 64
 
 
 def sequence_inputs(
@@ -66,6 +73,8 @@ def response_logprobs(
     share_prompts: bool = True,
     remove_padding: bool = False,
     fused_kernels: bool = False,
+    entropy_chunking: bool | None = None,
+    entropy_checkpointing: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return log π(y_t | x, y_<t) of each response token, shape (B, R), and optionally its entropy.
 
@@ -80,7 +89,12 @@ def response_logprobs(
     response layout fall back to the padded pass. ``fused_kernels`` (``use_fused_kernels``) computes
     the packed pass's log-probs and entropy from the final hidden states a chunk of tokens at a time
     (:mod:`tearless.models.chunked`) when the model is not sharded and its LM head is a plain
-    bias-free linear layer; otherwise the logits are formed whole.
+    bias-free linear layer; otherwise the logits are formed whole. ``entropy_chunking``
+    (``entropy_from_logits_with_chunking``) takes log-probs and entropies from those logits a chunk
+    of tokens at a time: None = on CUDA when they exceed one chunk (never on CPU,
+    :func:`auto_chunked`), True = always, False = never (whole float32 tensors).
+    ``entropy_checkpointing`` (veRL's key) recomputes the softmax of a differentiated entropy in the
+    backward instead of keeping it (the chunked function, even for one chunk).
 
     A model marked for bf16 compute (:func:`tearless.models.precision.set_compute_dtype`, CPU) runs
     its forwards under autocast; its logits are upcast to float32 before the log-softmax, so both
@@ -98,6 +112,7 @@ def response_logprobs(
             share_prompts=share_prompts,
             remove_padding=remove_padding,
             fused_kernels=fused_kernels,
+            chunking=(entropy_chunking, entropy_checkpointing),
         )
 
 
@@ -113,6 +128,7 @@ def _response_logprobs(
     share_prompts,
     remove_padding,
     fused_kernels,
+    chunking,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = compute_device(model)
     rows, width = response_ids.shape
@@ -144,13 +160,17 @@ def _response_logprobs(
                 with_entropy=with_entropy,
                 remove_padding=remove_padding,
                 fused_kernels=fused_kernels,
+                entropy_chunking=chunking[0],
+                entropy_checkpointing=chunking[1],
             )
             return log_prob[inverse], (None if entropy is None else entropy[inverse])
     if packed:
         head = model.get_output_embeddings() if fused_kernels and not sharded else None
         if not (isinstance(head, torch.nn.Linear) and head.bias is None):
             head = None
-        return _packed_logprobs(model, p_ids, p_mask, r_ids, lengths, temperature, with_entropy, head)
+        return _packed_logprobs(
+            model, p_ids, p_mask, r_ids, lengths, temperature, with_entropy, head, chunking
+        )  # fmt: skip
     if fast and not checkpointing:
         pieces = _fast_logits(model, p_ids, p_mask, r_ids, r_mask, lengths)
     else:
@@ -158,17 +178,12 @@ def _response_logprobs(
         pieces = [(None, _plain_logits(model, p_ids, p_mask, r_ids[:, :used], r_mask[:, :used]))]
     log_probs, entropies = [], []
     for index, logits in pieces:
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
         targets = r_ids[:, : logits.shape[1]] if index is None else r_ids[index, : logits.shape[1]]
         pad = (0, width - logits.shape[1])
-        log_probs.append(torch.nn.functional.pad(logprobs_from_logits(logits, targets), pad))
-        if with_entropy == "grad":
-            entropies.append(torch.nn.functional.pad(entropy_from_logits(logits), pad))
-        elif with_entropy:
-            with torch.no_grad():
-                entropies.append(torch.nn.functional.pad(entropy_from_logits(logits.detach()), pad))
+        lp, ent = logits_logprobs(logits, targets, temperature, with_entropy, *chunking)
+        log_probs.append(torch.nn.functional.pad(lp, pad))
+        if ent is not None:
+            entropies.append(torch.nn.functional.pad(ent, pad))
     log_prob, entropy = torch.cat(log_probs), (torch.cat(entropies) if entropies else None)
     if pieces[0][0] is not None:  # rows come out bucket by bucket: put them back in order
         inverse = torch.empty(rows, dtype=torch.long, device=device)
@@ -181,7 +196,9 @@ def _response_logprobs(
     return log_prob, (None if entropy is None else entropy * keep)
 
 
-def _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, lengths, temperature, with_entropy, head):
+def _packed_logprobs(
+    model, prompt_ids, prompt_mask, response_ids, lengths, temperature, with_entropy, head, chunking
+):
     """:func:`response_logprobs` of one packed forward: logits only at the K predicting positions,
     or, given the LM ``head``, log-probs and entropy from the hidden states in chunks."""
     packed = pack_rows(prompt_ids, prompt_mask, response_ids, lengths)
@@ -197,16 +214,57 @@ def _packed_logprobs(model, prompt_ids, prompt_mask, response_ids, lengths, temp
             else packed.unpack(ent if with_entropy == "grad" else ent.detach(), shape)
         )
         return packed.unpack(lp, shape), entropy
-    logits = packed_forward(model, packed, logits_to_keep=packed.keep).logits[0].float()
+    logits = packed_forward(model, packed, logits_to_keep=packed.keep).logits[0]
+    lp, ent = logits_logprobs(logits, targets, temperature, with_entropy, *chunking)
+    return packed.unpack(lp, shape), (None if ent is None else packed.unpack(ent, shape))
+
+
+def logits_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool | str,
+    chunking: bool | None = None,
+    checkpointing: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(targets), entropy or None) of ``logits`` (..., V) / ``temperature``, both float32 of
+    shape ``targets.shape``; the entropy only when ``with_entropy`` (with gradient when it is
+    ``"grad"``). ``chunking``: None = :func:`auto_chunked` on the logits' device, True / False =
+    always / never;
+    ``checkpointing`` takes the chunked function for a differentiated entropy in any case (its
+    softmax recomputed in the backward)."""
+    vocab = logits.shape[-1]
+    tokens = logits.numel() // max(vocab, 1)
+    chunked = auto_chunked(logits.device.type, tokens, vocab) if chunking is None else chunking
+    if chunked or (checkpointing and with_entropy == "grad"):
+        lp, ent = chunked_logits_logprobs(
+            logits.reshape(tokens, vocab),
+            targets.reshape(tokens),
+            temperature=temperature,
+            with_entropy=bool(with_entropy),
+        )
+        lp = lp.view(targets.shape)
+        if ent is None:
+            return lp, None
+        return lp, (ent if with_entropy == "grad" else ent.detach()).view(targets.shape)
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    log_prob = packed.unpack(logprobs_from_logits(logits, targets), shape)
+    log_prob = logprobs_from_logits(logits, targets)
     if with_entropy == "grad":
-        return log_prob, packed.unpack(entropy_from_logits(logits), shape)
+        return log_prob, entropy_from_logits(logits)
     if with_entropy:
         with torch.no_grad():
-            return log_prob, packed.unpack(entropy_from_logits(logits.detach()), shape)
+            return log_prob, entropy_from_logits(logits.detach())
     return log_prob, None
+
+
+def auto_chunked(device_type: str, tokens: int, vocab: int) -> bool:
+    """Whether ``tokens`` × ``vocab`` logits on ``device_type`` are chunked when
+    ``entropy_from_logits_with_chunking`` is unset: where the device's defaults chunk
+    (:data:`tearless.devices.DEVICE_DEFAULTS`: CUDA, not CPU) and one chunk
+    (:func:`~tearless.models.chunked.chunk_tokens`) cannot hold them."""
+    return device_defaults(device_type).chunk_logits and tokens > chunk_tokens(vocab)
 
 
 def distinct_rows(
@@ -237,9 +295,10 @@ def attended_lengths(response_mask: torch.Tensor) -> torch.Tensor:
     return (response_mask.bool() * columns).amax(-1) if response_mask.shape[1] else response_mask.sum(-1)
 
 
-def length_buckets(lengths: list[int], overhead: int = BUCKET_OVERHEAD_TOKENS) -> list[list[int]]:
+def length_buckets(lengths: list[int], overhead: int) -> list[list[int]]:
     """Rows (indices into ``lengths``) grouped so that forwarding each group padded to its own
-    longest row costs least: Σ rows · width + ``overhead`` per group.
+    longest row costs least: Σ rows · width + ``overhead`` per group (what one more forward costs,
+    in response tokens, on the device: :func:`tearless.devices.bucket_overhead_tokens`).
 
     An exact dynamic programme over the distinct lengths in increasing order (a cheapest group is
     always a run of them): with c_k rows of the k-th length ℓ_k,
@@ -309,7 +368,8 @@ def _fast_logits(
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
     pieces = []
-    buckets = length_buckets([max(n - 1, 0) for n in lengths.tolist()], BUCKET_OVERHEAD_TOKENS)
+    overhead = bucket_overhead_tokens(device.type)
+    buckets = length_buckets([max(n - 1, 0) for n in lengths.tolist()], overhead)
     for rows in buckets:
         index = torch.tensor(rows, dtype=torch.long, device=device)
         width = max(int(lengths[rows].max()), 1)

@@ -49,25 +49,29 @@ def add_lora(
     alpha: float,
     target_modules: Any,
     gradient_checkpointing: bool = False,
+    task_type: str = "CAUSAL_LM",
+    key: str = "actor_rollout_ref.model",
 ) -> torch.nn.Module:
     """Wrap ``model`` in a peft LoRA model (rank ``rank``, scale ``alpha / rank``, no dropout).
 
-    Every base parameter is frozen; only the adapters require gradients.
+    Every base parameter is frozen; only the adapters require gradients. ``task_type`` ``SEQ_CLS`` (a
+    reward model) also trains the new scalar head whole (peft's ``modules_to_save``) and saves it with
+    the adapter. ``key`` is the config section named in errors.
     """
-    peft = _peft("actor_rollout_ref.model.lora_rank")
+    peft = _peft(f"{key}.lora_rank")
     config = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,
         target_modules=target_modules_arg(target_modules),
         lora_dropout=0.0,
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
     )
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as err:
         raise ValueError(
-            f"actor_rollout_ref.model.target_modules={target_modules!r}: {err} Use all-linear or names "
+            f"{key}.target_modules={target_modules!r}: {err} Use all-linear or names "
             "of the model's linear layers (for Llama/Qwen: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
             "down_proj)"
         ) from None
@@ -78,9 +82,15 @@ def add_lora(
     return wrapped
 
 
-def load_lora(base: torch.nn.Module, adapter_dir: str | os.PathLike, *, gradient_checkpointing: bool = False):
+def load_lora(
+    base: torch.nn.Module,
+    adapter_dir: str | os.PathLike,
+    *,
+    gradient_checkpointing: bool = False,
+    key: str = "actor_rollout_ref.model",
+):
     """The base model with a saved adapter loaded, trainable (to resume a LoRA run)."""
-    peft = _peft("actor_rollout_ref.model.lora_rank")
+    peft = _peft(f"{key}.lora_rank")
     model = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
     if gradient_checkpointing:
         model.enable_input_require_grads()

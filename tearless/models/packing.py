@@ -79,13 +79,18 @@ def packable(prompt_mask: torch.Tensor, response_mask: torch.Tensor, lengths: to
     """True when every row is the layout :func:`pack_rows` assumes: a non-empty left-padded prompt
     (its ones end at the last column) and response ones without holes (as many as the attended length),
     and at least one row has a response token."""
-    if prompt_mask.shape[0] == 0 or int(lengths.max()) == 0:  # nothing to forward: the padded pass's zeros
+    if prompt_mask.shape[0] == 0:
         return False
     p = prompt_mask.bool()
-    contiguous_prompt = (
-        bool((p.sum(-1) > 0).all()) and bool(p[:, -1].all()) and bool((p.int().diff(dim=-1) >= 0).all())
+    # One read of one flag (not one per condition): a micro-batch's pass reads the host once here.
+    ok = (
+        (lengths.max() > 0)  # else nothing to forward: the padded pass's zeros
+        & (p.sum(-1) > 0).all()
+        & p[:, -1].all()
+        & (p.int().diff(dim=-1) >= 0).all()
+        & (response_mask.bool().sum(-1) == lengths).all()
     )
-    return contiguous_prompt and bool((response_mask.bool().sum(-1) == lengths).all())
+    return bool(ok)
 
 
 def pack_rows(

@@ -61,7 +61,7 @@ def compute_dtype(
     """The dtype a role's forwards compute in for the config value ``name`` of ``key`` on ``device``.
 
     ``None`` (the default): bfloat16 on GPU, float32 on CPU. ``"auto"`` is resolved by the trainer
-    before ranks are built (:mod:`tearless.models.calibrate`); one that reaches here unresolved (a
+    before ranks are built (:mod:`tearless.workers.calibrate`); one that reaches here unresolved (a
     role built outside a trainer) is treated as ``None``. On CPU only float32 and, where
     :func:`cpu_has_native_bf16`, bfloat16 are computed; any other request (bf16 without the
     instructions, float16) warns (``warn``) and gives float32.
@@ -125,6 +125,23 @@ def autocast_for(model: torch.nn.Module) -> Iterator[None]:
     device = compute_device(model)
     with autocast(device, dtype):
         yield
+
+
+def forward_only(device: str | torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """The no-gradient context of a forward-only pass on ``device`` that computes in ``dtype``.
+
+    ``torch.inference_mode()`` for float32 and on GPU (its tensors skip autograd's version counting;
+    the GPU decode loop's CUDA graphs must not capture cast weights that a cache frees when the region
+    ends), but ``torch.no_grad()`` under a reduced autocast dtype on CPU: autocast keeps the bf16 cast
+    of each float32 weight for the rest of its region only outside inference mode; inside it every
+    matmul casts its weight again. A decode step of SmolLM2-135M then re-casts all 135 M weights (the
+    tied 49,152 × 576 LM head alone reads 113 MB and writes 57 MB), and those casts took half of bf16
+    decoding's time on a CPU with AMX (BENCHMARKS.md, "bf16 on a CPU with native bf16"). A caller
+    that changes weights in place inside one region must :func:`torch.clear_autocast_cache` after it.
+    """
+    if dtype is None or dtype == torch.float32 or torch.device(device).type != "cpu":
+        return torch.inference_mode()
+    return torch.no_grad()
 
 
 def active_dtype(device_type: str) -> torch.dtype | None:

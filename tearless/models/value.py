@@ -1,9 +1,11 @@
-"""The value model of PPO's critic: a causal-LM backbone with a scalar head on every position.
+"""Scalar-head models on a causal-LM backbone: PPO's value model (a head on every position) and the
+reward model that ``tearless rm`` trains (a head read at the last token).
 
-It is ``AutoModelForTokenClassification`` with one label, loaded from a causal-LM directory (the
-backbone's weights are reused, the head is new), so it saves as a normal ``save_pretrained``
-directory. The head starts at zero: the first values are 0 and GAE's first advantages are the plain
-Monte-Carlo returns, rather than noise from a random head.
+The value model is ``AutoModelForTokenClassification`` with one label, loaded from a causal-LM
+directory (the backbone's weights are reused, the head is new), so it saves as a normal
+``save_pretrained`` directory. The head starts at zero: the first values are 0 and GAE's first
+advantages are the plain Monte-Carlo returns, rather than noise from a random head. The reward model
+is ``AutoModelForSequenceClassification`` with one label, the class ``reward_model.model.path`` loads.
 """
 
 from __future__ import annotations
@@ -61,6 +63,40 @@ def load_value_model(
             torch.nn.init.zeros_(head.bias)
     if gradient_checkpointing:
         enable_activation_checkpointing(model)
+    return model
+
+
+def load_reward_model(
+    path: str | os.PathLike,
+    *,
+    pad_token_id: int,
+    dtype: str = "float32",
+    gradient_checkpointing: bool = False,
+    key: str = "model.path",
+) -> torch.nn.Module:
+    """A one-label sequence-classification model from ``path``: a reward model, or a causal LM whose
+    backbone it reuses under a new head (transformers' default initialisation, drawn from torch's
+    seeded generator). ``pad_token_id`` goes into its config: the model reads each row's reward at
+    its last token that is not padding, and refuses batches without the id."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    path = check_model_dir(path, key)
+    config = AutoConfig.from_pretrained(str(path))
+    classifier = config.architectures and any("SequenceClassification" in a for a in config.architectures)
+    if classifier and config.num_labels != 1:
+        raise ValueError(
+            f"{key}={path!s} is a classifier with {config.num_labels} outputs; a reward model has one. "
+            "Start from its causal LM or from a one-label reward model"
+        )
+    config.num_labels = 1
+    config.pad_token_id = pad_token_id
+    with quiet_transformers():
+        model = AutoModelForSequenceClassification.from_pretrained(
+            str(path), config=config, dtype=resolve_dtype(dtype)
+        )
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+        model.config.use_cache = False
     return model
 
 

@@ -47,9 +47,11 @@ def _gathered(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tenso
 
 @torch.no_grad()
 def hf_weights(
-    model: torch.nn.Module, dtype: torch.dtype | None = None
+    model: torch.nn.Module, dtype: torch.dtype | None = None, *, merged: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of every entry of the plain model's state dict, LoRA merged, optionally cast."""
+    """(name, full tensor) of every entry of the plain model's state dict, optionally cast: a LoRA model's
+    base weights W plus (α/r)·B A (``merged``), or its frozen base W alone (an engine that serves the
+    adapter itself)."""
     if not is_lora(model):
         for name, t in _gathered(model.state_dict()):
             yield name, t if dtype is None else t.to(dtype)
@@ -58,10 +60,19 @@ def hf_weights(
 
     base = model.get_base_model()
     layers = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
-    state = {k: v for k, v in base.state_dict().items() if ".lora_" not in k}
+    # A module peft trains whole (a reward model's head: modules_to_save) holds its frozen original
+    # and its trained copy; the plain model's weight is the trained copy.
+    trained = f".modules_to_save.{model.active_adapter}."
+    state = {
+        k.replace(trained, "."): v
+        for k, v in base.state_dict().items()
+        if ".lora_" not in k
+        and ".original_module." not in k
+        and (".modules_to_save." not in k or trained in k)
+    }
     for key, t in _gathered(state):
         owner, _, leaf = key.rpartition(".base_layer.")
-        if leaf == "weight" and owner in layers:
+        if merged and leaf == "weight" and owner in layers:
             t = t + _lora_delta(layers[owner]).to(t.dtype)
         yield key.replace(".base_layer.", "."), t if dtype is None else t.to(dtype)
 

@@ -17,6 +17,7 @@ import inspect
 import itertools
 import math
 import multiprocessing
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import Any
 
 from tearless.rewards.pool import WorkerPool, evaluate
 from tearless.rewards.registry import compute_score, get_scorer, registry_version
+from tearless.userfiles import check_user_file
 
 _ITEM_KEYS = ("data_source", "solution_str", "ground_truth", "extra_info")
 _module_ids = itertools.count()
@@ -72,12 +74,12 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Calla
     registered in ``sys.modules`` (so dataclasses and pickling inside it work).
     """
     file = Path(path).expanduser()
-    if not file.is_file():
-        what = "is a directory, not a Python file" if file.is_dir() else "does not exist"
+    if not os.path.lexists(file):
         raise FileNotFoundError(
-            f"custom_reward_function.path={str(path)!r} {what} (resolved to {file.resolve()}); "
+            f"custom_reward_function.path={str(path)!r} does not exist (resolved to {file.resolve()}); "
             "point it at the .py file that defines your reward function"
         )
+    check_user_file(file, key="custom_reward_function.path", kind="code")
     module_name = f"_tearless_reward_{file.stem}_{next(_module_ids)}"
     loader = importlib.machinery.SourceFileLoader(module_name, str(file))
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader))

@@ -20,6 +20,10 @@ With ``reward_model.enable`` a reward model (:class:`~tearless.rewards.model.Rew
 scores every pair, and the score is ``model score + rule_weight · rule score``, the rule score coming
 from the manager above; with ``rule_weight=0`` (the default, as in veRL) rule scorers are not called.
 
+With ``reward_model.judge.enable`` an LLM judge behind an OpenAI-compatible endpoint
+(:class:`~tearless.rewards.judge.Judge`) scores every sample the same way, its failures counted and
+bounded (:class:`JudgeRewardManager`).
+
 With ``reward_model.step_reward.prm.enable`` a process reward model
 (:class:`~tearless.rewards.prm.ProcessRewardScorer`) scores every step of every response; its step
 scores become each result's ``steps`` (replacing any the rule scorer gave) while the score stays the
@@ -34,6 +38,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tearless.rewards.judge import FIELDS, PARSERS, Judge, JudgeError, template_fields
 from tearless.rewards.manager import RewardError, RewardManager, ScoreResult
 from tearless.rewards.pool import check_value, user_traceback
 from tearless.rewards.registry import compute_score
@@ -191,14 +196,10 @@ class ModelRewardManager(_Manager):
             raise ValueError("reward-model scoring needs each item's prompt (its chat messages)")
         model_scores = self.scorer.score([it["prompt"] for it in items], [it["solution_str"] for it in items])
         rules = self.rule.score(items) if self.rule is not None else [None] * len(items)
-        results = []
-        for value, rule in zip(model_scores, rules, strict=True):
-            if rule is None:
-                results.append(ScoreResult(value, {"rm_score": value}))
-                continue
-            extra = {**rule.extra, "rm_score": value, "rule_score": rule.score}
-            results.append(ScoreResult(value + self.rule_weight * rule.score, extra, rule.error, rule.steps))
-        return results
+        return [
+            with_rule(value, "rm_score", rule, self.rule_weight)
+            for value, rule in zip(model_scores, rules, strict=True)
+        ]
 
     @property
     def lost_workers(self) -> int:
@@ -207,6 +208,58 @@ class ModelRewardManager(_Manager):
     def close(self) -> None:
         if self.rule is not None:
             self.rule.close()
+
+
+def with_rule(value: float, key: str, rule: ScoreResult | None, rule_weight: float) -> ScoreResult:
+    """A model's (or judge's) score ``value``, logged as extra ``key``, plus ``rule_weight`` × the rule
+    result's score when there is one (whose extras, error and steps it keeps, with ``rule_score``)."""
+    if rule is None:
+        return ScoreResult(value, {key: value})
+    extra = {**rule.extra, key: value, "rule_score": rule.score}
+    return ScoreResult(value + rule_weight * rule.score, extra, rule.error, rule.steps)
+
+
+class JudgeRewardManager(ModelRewardManager):
+    """An LLM judge's score (:class:`~tearless.rewards.judge.Judge`), plus ``rule_weight`` × the rule
+    manager's score when given. A sample the judge fails on gets ``failure_score`` and its error;
+    when the judge stopped for its ``max_failures`` failed samples in a row, the batch raises
+    :class:`RewardError` (one line naming the key) and the run stops.
+
+    Extras: ``judge_score``, and with a rule manager ``rule_score`` and the rule result's extras.
+    """
+
+    def __init__(
+        self,
+        judge: Judge,
+        rule: Any = None,
+        rule_weight: float = 0.0,
+        *,
+        failure_score: float = 0.0,
+    ) -> None:
+        super().__init__(judge, rule, rule_weight)
+        self.failure_score = float(failure_score)
+
+    def score(self, items: Sequence[dict]) -> list[ScoreResult]:
+        if any("prompt" not in item for item in items):
+            raise ValueError("judge scoring needs each item's prompt (its chat messages)")
+        judged = self.scorer.score(items)
+        if self.scorer.down is not None:
+            raise RewardError(
+                f"reward_model.judge: {self.scorer.max_failures} samples in a row failed to be judged "
+                f"(last: {self.scorer.down}); check reward_model.judge.base_url, model and prompt_template, "
+                "or raise reward_model.judge.max_failures"
+            )
+        rules = self.rule.score(items) if self.rule is not None else [None] * len(items)
+        return [
+            with_rule(value, "judge_score", rule, self.rule_weight)
+            if not isinstance(value, JudgeError)
+            else ScoreResult(self.failure_score, {}, f"judge: {value}")
+            for value, rule in zip(judged, rules, strict=True)
+        ]
+
+    def close(self) -> None:
+        self.scorer.close()
+        super().close()
 
 
 class ProcessRewardManager(_Manager):
@@ -284,11 +337,63 @@ def reward_config_problems(reward_model: Any, max_response_length: int) -> list[
             ("reward_model.step_reward.prm.ref_path", "prm.kind=implicit needs the reference model",
              "Point it at the model the implicit PRM was trained against (its starting point).")
         )  # fmt: skip
-    if not rm.enable and rm.rule_weight != 0.0:
+    if not (rm.enable or rm.judge.enable) and rm.rule_weight != 0.0:
         problems.append(
-            ("reward_model.rule_weight", "only applies with reward_model.enable=true",
-             "Enable the reward model or leave rule_weight at 0.")
+            ("reward_model.rule_weight", "only applies with reward_model.enable or judge.enable",
+             "Enable the reward model or the judge, or leave rule_weight at 0.")
         )  # fmt: skip
+    if rm.judge.enable:
+        problems += judge_config_problems(rm)
+    return problems
+
+
+def judge_config_problems(rm: Any) -> list[tuple[str, str, str]]:
+    """``(key, problem, fix)`` for the ``reward_model.judge`` keys of an enabled judge."""
+    j, problems = rm.judge, []
+
+    def bad(key: str, problem: str, fix: str) -> None:
+        problems.append((f"reward_model.judge.{key}", problem, fix))
+
+    if rm.enable:
+        bad(
+            "enable", "is on with reward_model.enable: two model scores", "Use the reward model or the judge."
+        )
+    if not j.base_url or not str(j.base_url).startswith(("http://", "https://")):
+        bad(
+            "base_url", f"{j.base_url!r} is not an http(s) URL", "e.g. http://127.0.0.1:8000/v1 (vllm serve)."
+        )
+    try:
+        fields = template_fields(j.prompt_template)
+    except ValueError as e:
+        bad("prompt_template", f"is not a template: {e}", "Write fields plainly, as {response}, and literal "
+            "braces as {{ and }}.")  # fmt: skip
+    else:
+        unknown = sorted(set(fields) - set(FIELDS))
+        if unknown:
+            bad("prompt_template", f"has unknown field(s) {unknown}", "Use {prompt}, {response}, "
+                "{ground_truth}; write literal braces as {{ and }}.")  # fmt: skip
+        elif "response" not in fields:
+            bad("prompt_template", "has no {response}", "The judge must see the response it scores.")
+    if j.parser not in PARSERS:
+        bad("parser", f"{j.parser!r} is not a parser", f"Use one of {', '.join(PARSERS)}.")
+    numbers = [v for v in j.score_range if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if j.parser != "labels" and not (len(numbers) == 2 == len(j.score_range) and numbers[0] < numbers[1]):
+        bad("score_range", f"{j.score_range!r} is not [lo, hi] with lo < hi", "e.g. [0, 10].")
+    if j.parser == "labels" and not j.labels:
+        bad("labels", "is empty but parser=labels", "e.g. {correct: 1.0, incorrect: 0.0}.")
+    for label, value in j.labels.items():
+        try:
+            float(value)
+        except (TypeError, ValueError):
+            bad("labels", f"{label!r}: {value!r} is not a number", "Give each label a score, e.g. 1.0.")
+    for key in ("max_concurrency", "max_tokens", "max_failures"):
+        if getattr(j, key) < 1:
+            bad(key, f"must be >= 1, got {getattr(j, key)}", "Set a positive value.")
+    if not j.timeout_s > 0:
+        bad("timeout_s", f"must be > 0, got {j.timeout_s}", "e.g. 30 (seconds per socket operation).")
+    for key in ("backoff_s", "max_retries", "temperature", "cache_size"):
+        if getattr(j, key) < 0:
+            bad(key, f"must be >= 0, got {getattr(j, key)}", "Set a value >= 0.")
     return problems
 
 
@@ -311,7 +416,7 @@ def make_reward_manager(
         raise ValueError(f"{key}: {problem}. {fix}")
     rm, kwargs = reward_model, dict(reward_kwargs or {})
     rule: Any = None
-    if not rm.enable or rm.rule_weight != 0.0:
+    if not (rm.enable or rm.judge.enable) or rm.rule_weight != 0.0:
         if rm.reward_manager == "batch":
             rule = BatchRewardManager(score_fn, failure_score=rm.failure_score, reward_kwargs=kwargs)
         else:
@@ -335,6 +440,26 @@ def make_reward_manager(
             device=device,
         )
         manager = ModelRewardManager(scorer, rule, rm.rule_weight)
+    if rm.judge.enable:
+        j = rm.judge
+        judge = Judge(
+            base_url=j.base_url,
+            model=j.model,
+            prompt_template=j.prompt_template,
+            parser=j.parser,
+            score_range=j.score_range,
+            labels=j.labels,
+            api_key_env=j.api_key_env,
+            temperature=j.temperature,
+            max_tokens=j.max_tokens,
+            max_concurrency=j.max_concurrency,
+            timeout_s=j.timeout_s,
+            max_retries=j.max_retries,
+            backoff_s=j.backoff_s,
+            max_failures=j.max_failures,
+            cache_size=j.cache_size,
+        )
+        manager = JudgeRewardManager(judge, rule, rm.rule_weight, failure_score=rm.failure_score)
     sr = rm.step_reward
     if sr.prm.enable:
         # a model-based scorer loads transformers: only a config that names one pays for it

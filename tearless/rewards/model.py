@@ -17,6 +17,17 @@ from typing import Any
 from tearless.models.hub import local_model_path
 
 
+def conversation_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """The token ids a reward model scores for ``messages`` (the last one the response): the chat
+    template's rendering, else ``"role: content"`` lines with the last message unterminated. ``tearless
+    rm`` trains on exactly these ids, so a trained reward model is scored on what it learned from."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=False))
+    *context, last = messages
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in context)
+    return list(tokenizer.encode(f"{text}{last['role']}: {last['content']}"))
+
+
 class RewardModelScorer:
     """Scores pairs in micro-batches of ``micro_batch_size`` (``None``: all at once).
 
@@ -63,12 +74,7 @@ class RewardModelScorer:
     def encode(self, prompt: str | Sequence[dict], response: str) -> list[int]:
         """Token ids of the conversation ``prompt`` + the assistant's ``response``."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        messages = [*messages, {"role": "assistant", "content": response}]
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = list(self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False))
-        else:
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages[:-1])
-            ids = list(self.tokenizer.encode(f"{text}assistant: {response}"))
+        ids = conversation_ids(self.tokenizer, [*messages, {"role": "assistant", "content": response}])
         if self.max_length is not None and len(ids) > self.max_length:
             ids = ids[len(ids) - self.max_length :]
         return ids

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from tearless import reaper
 from tearless.rewards.sandbox import SandboxError
 
 # (data_source, solution_str, ground_truth, extra_info)
@@ -470,6 +471,7 @@ class WorkerPool:
         )
         process.start()
         child_end.close()
+        reaper.record(process.pid)  # it leads its own group: the reaper ends it even after a SIGKILL
         return _Worker(process, parent_end)
 
     def _send(self, w: _Worker, indices: list[int], requests: Sequence[Request]) -> None:

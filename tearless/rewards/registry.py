@@ -114,6 +114,25 @@ def get_scorer(data_source: str) -> ScoreFn:
     return getattr(importlib.import_module(module), attr)
 
 
+def check_data_sources(data: dict[str, tuple[Any, list[dict]]]) -> None:
+    """Raise :class:`UnknownDataSource` naming the key, the files and the first row whose
+    ``data_source`` no built-in scorer handles: when the data loads, not at the first scoring.
+
+    ``data`` maps a config key to ``(the files it names, their rows)``.
+    """
+    for key, (files, rows) in data.items():
+        seen: set[str] = set()
+        for i, row in enumerate(rows):
+            source = row["data_source"]
+            if source in seen:
+                continue
+            seen.add(source)
+            try:
+                get_scorer(source)
+            except UnknownDataSource as e:
+                raise UnknownDataSource(f"{key}={files}: row {i}: {e}") from None
+
+
 def compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None, **kwargs: Any
 ) -> float | dict:

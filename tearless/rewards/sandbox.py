@@ -67,6 +67,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tearless import reaper
+
 UID_BASE = 0x40000000  # as in sandbox_confine.py
 _HARNESS = Path(__file__).with_name("sandbox_harness.py")
 _SCRIPTS = tuple(Path(__file__).with_name(f"sandbox_{n}.py") for n in ("harness", "confine", "seccomp"))
@@ -198,6 +200,7 @@ def run_in_sandbox(
             else {**_ENV, "HOME": ".", "TMPDIR": "."},
             start_new_session=True,
         )
+        reaper.record(proc.pid)
         deadline = time.monotonic() + _STARTUP_S + len(inputs) * (limits.time_limit_s + 1.0)
         stderr = _follow(proc, deadline, events, collect)
         _stop(proc, events)

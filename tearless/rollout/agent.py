@@ -2,7 +2,9 @@
 
 For each sample the loop generates until a stop tag or EOS; if the turn holds a tool call it runs the
 tool (all calls of a turn, across the batch, concurrently: :func:`tearless.tools.run_calls`), appends
-the result as tokens and lets the model continue. The whole trajectory is one token sequence:
+the result as tokens and lets the model continue. The turns are driven by the one turn loop
+(:meth:`tearless.rollout.multiturn.TurnLoop.run_turns`); :meth:`AgentLoop.respond` is this loop's
+answer to a turn. The whole trajectory is one token sequence:
 
     prompt | model turn 1 | tool output 1 | model turn 2 | … | final model turn
     loss mask:    1…1     |     0…0       |     1…1      | … |       1…1
@@ -35,10 +37,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from tearless.rollout.engine import RolloutEngine, RolloutOutput, left_pad, right_pad
-from tearless.rollout.seeds import mix, sample_keys
+from tearless.rollout.engine import RolloutEngine
+from tearless.rollout.multiturn import (
+    AgentRollout,
+    Reply,
+    TokenTrajectory,
+    Turn,
+    TurnLoop,
+    agent_metrics,
+    pack,
+    trajectory_keys,
+)
+from tearless.rollout.toolcalls import tag_blocks, too_many_calls
 from tearless.tools import ToolCall, ToolLike, function_schema, run_calls
 from tearless.tools.base import first_string_parameter
 
@@ -54,6 +64,7 @@ class AgentSettings:
     max_assistant_turns: int = 4
     max_user_turns: int = 4
     max_parallel_calls: int = 8
+    max_tool_calls_per_turn: int = 16
     max_tool_response_length: int = 256
     tool_response_truncate_side: str = "middle"
     tool_timeout_s: float = 30.0
@@ -121,22 +132,36 @@ class SearchR1Format:
                 )
             self.argument[name] = key
         names = "|".join(["answer", *map(re.escape, tools)])
-        self.pattern = re.compile(rf"<({names})>(.*?)</\1>", re.DOTALL)
+        self.opening = re.compile(rf"<({names})>")
         self.stops = [f"</{name}>" for name in tools] + ["</answer>"]
 
     def prompt_ids(self, item: dict) -> list[int]:
         return list(item["input_ids"])
 
     def parse(self, text: str) -> Action:
-        match = self.pattern.search(text)
-        if match is None:
+        found = self._first_block(text)
+        if found is None:
             return Action("invalid", problem="no <tool>...</tool> call and no <answer>...</answer>")
-        tag, content = match.group(1), match.group(2).strip()
+        tag, content = found[0], found[1].strip()
         if tag == "answer":
             return Action("answer")
         if not content:
             return Action("invalid", problem=f"empty <{tag}></{tag}>")
         return Action("calls", [ToolCall(tag, {self.argument[tag]: content})])
+
+    def _first_block(self, text: str) -> tuple[str, str] | None:
+        """The tag and content of the first ``<tag>…</tag>`` (the lazy regex ``<(tags)>(.*?)</\\1>``'s
+        match) in O(len(text)): per tag, the next closing tag is searched for again only once an
+        opening tag lies past it, so thousands of unterminated tags cost one pass, not one each."""
+        next_close: dict[str, int] = {}
+        for match in self.opening.finditer(text):
+            tag = match.group(1)
+            at = next_close.get(tag, -2)
+            if at != -1 and at < match.end():
+                at = next_close[tag] = text.find(f"</{tag}>", match.end())
+            if at >= 0:
+                return tag, text[match.end() : at]
+        return None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -156,7 +181,6 @@ class HermesFormat:
 
     stops: list[str] = []  # noqa: RUF012  (the turn ends at EOS)
     eos_ends_trajectory = False  # every turn ends with EOS; a turn without a call ends the trajectory
-    _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def __init__(self, tools: dict[str, ToolLike], tokenizer: Any, settings: AgentSettings) -> None:
         if getattr(tokenizer, "chat_template", None) is None:
@@ -182,11 +206,16 @@ class HermesFormat:
         return list(ids)
 
     def parse(self, text: str) -> Action:
-        blocks = self._CALL.findall(text)
-        if not blocks:
+        limit = self.settings.max_tool_calls_per_turn
+        spans = tag_blocks(text, "<tool_call>", "</tool_call>", limit)
+        if not spans:
             return Action("answer")
+        if len(spans) > limit:
+            return Action(
+                "invalid", problem=f"{too_many_calls(limit)} (multi_turn.max_tool_calls_per_turn={limit})"
+            )
         calls = []
-        for block in blocks:
+        for block in (text[start:end] for start, end in spans):
             call = _loads(block)
             if isinstance(call, _Unparsed):
                 return Action("invalid", problem=f"tool call is not valid JSON ({call.why})")
@@ -220,35 +249,21 @@ class HermesFormat:
         return self._messages_tokens([f"{self.settings.invalid_action_message} ({problem})"])
 
 
-@dataclass
-class _Trajectory:
-    prompt: list[int]
-    key: int = 0
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logps: list[float] = field(default_factory=list)
-    turns: int = 0
-    user_turns: int = 0
-    done: bool = False
+@dataclass(kw_only=True)
+class _Trajectory(TokenTrajectory):
     answered: bool = False
-    truncated: bool = False
     invalid: int = 0
     tool_truncated: int = 0
     calls: list[dict] = field(default_factory=list)
 
 
-@dataclass
-class AgentRollout:
-    """The rollout, per-row info (``tool_calls``, ``num_turns``, ``answered``) and batch metrics."""
-
-    out: RolloutOutput
-    rows: list[dict]
-    metrics: dict[str, float]
-
-
-class AgentLoop:
+class AgentLoop(TurnLoop):
     """Multi-turn generation over a rollout engine whose capabilities include ``multi_turn`` (see the
-    module docstring)."""
+    module docstring); a :class:`~tearless.rollout.multiturn.MultiTurnLoop` whose trajectories the
+    run's reward manager scores, and a :class:`~tearless.rollout.multiturn.TurnLoop` that answers a turn
+    by parsing it and running its tool calls."""
+
+    owns_reward = False
 
     def __init__(
         self, engine: RolloutEngine, tokenizer: Any, tools: dict[str, ToolLike], settings: AgentSettings
@@ -275,52 +290,40 @@ class AgentLoop:
 
         ``keys`` (one per item, :mod:`tearless.rollout.seeds`): trajectory j of item i samples turn t
         with the key ``mix(mix(keys[i], j), t)``, so it draws the same tokens in any batch."""
-        s, limit = self.settings, max_new_tokens
         prompts = [self.fmt.prompt_ids(it) for it in items]
-        if keys is None:
-            keys = torch.randint(0, 2**62, (len(items),)).tolist()
         rows = [
-            _Trajectory(list(p), key=k)
-            for p, k in zip([p for p in prompts for _ in range(n)], sample_keys(keys, n), strict=True)
-        ]
-        for turn in range(1, s.max_assistant_turns + 1):
-            active = [r for r in rows if not r.done]
-            if not active:
-                break
-            out = self.engine.generate(
-                [r.prompt + r.ids for r in active],
-                n=1,
-                max_new_tokens=max(limit - len(r.ids) for r in active),
-                keys=[mix(r.key, turn) for r in active],
-                stop_sequences=self.stops,
-                **sampling,
+            _Trajectory(prompt=list(p), key=k)
+            for p, k in zip(
+                [p for p in prompts for _ in range(n)], trajectory_keys(keys, len(items), n), strict=True
             )
-            pending: list[tuple[_Trajectory, list[ToolCall]]] = []
-            for j, r in enumerate(active):
-                valid = out.response_mask[j].bool()
-                new, logps = out.response_ids[j][valid].tolist(), out.log_probs[j][valid].tolist()
-                room = limit - len(r.ids)
-                new, logps = new[:room], logps[:room]
-                r.ids += new
-                r.mask += [1] * len(new)
-                r.logps += logps
-                r.turns += 1
-                action = self.parse(self.tokenizer.decode(new, skip_special_tokens=True))
-                gave_up = self.fmt.eos_ends_trajectory and bool(new) and new[-1] in self.eos
-                if action.kind == "answer" or gave_up:
-                    r.done = True
-                    r.answered = action.kind == "answer"
-                elif len(r.ids) >= limit:
-                    r.done = r.truncated = True
-                elif turn == s.max_assistant_turns or r.user_turns >= s.max_user_turns:
-                    r.done = True  # the forced final turn: its calls are not run
-                elif action.kind == "calls":
-                    pending.append((r, action.calls))
-                else:
-                    r.invalid += 1
-                    self._append_env(r, self.fmt.correction_tokens(action.problem), limit)
-            self._run_pending(pending, limit)
+        ]
+        self.run_turns(rows, max_new_tokens, {"stop_sequences": self.stops, **sampling})
         return self._assemble(rows)
+
+    def respond(self, active: list[_Trajectory], turns: list[Turn]) -> list[Reply]:
+        """A turn that answers (or, in ``search_r1``, gives up with EOS) ends its trajectory; one that
+        filled the budget ends it truncated; the last turn (the model's or the tools') ends it without
+        running its calls; otherwise the turn's calls run, every trajectory's in one pool
+        (:meth:`_run_calls`), and their result tokens follow, or an invalid action's correction."""
+        replies: dict[int, Reply] = {}
+        pending: list[tuple[int, _Trajectory, list[ToolCall]]] = []
+        for j, (r, turn) in enumerate(zip(active, turns, strict=True)):
+            action = self.parse(self.tokenizer.decode(turn.ids, skip_special_tokens=True))
+            gave_up = self.fmt.eos_ends_trajectory and bool(turn.ids) and turn.ids[-1] in self.eos
+            if action.kind == "answer" or gave_up:
+                r.answered = action.kind == "answer"
+                replies[j] = Reply(done=True)
+            elif turn.final:  # out of budget, or the forced final turn: its calls are not run
+                replies[j] = Reply(done=True, truncated=turn.full)
+            elif action.kind == "calls":
+                pending.append((j, r, action.calls))
+            else:
+                r.invalid += 1
+                replies[j] = Reply(self.fmt.correction_tokens(action.problem))
+        results = self._run_calls([(r, calls) for _, r, calls in pending])
+        for (j, _, _), tokens in zip(pending, results, strict=True):
+            replies[j] = Reply(tokens)
+        return [replies[j] for j in range(len(active))]
 
     def parse(self, text: str) -> Action:
         """The action of a model turn; total: a parser failure the formats did not foresee is an
@@ -330,12 +333,15 @@ class AgentLoop:
         except Exception as e:  # model output is untrusted input: no output may stop training
             return Action("invalid", problem=f"the turn could not be read ({type(e).__name__})")
 
-    def _run_pending(self, pending: list[tuple[_Trajectory, list[ToolCall]]], limit: int) -> None:
+    def _run_calls(self, pending: list[tuple[_Trajectory, list[ToolCall]]]) -> list[list[int]]:
+        """Every pending trajectory's calls of this turn in one pool (at most ``max_parallel_calls`` at
+        once), recorded on their trajectories; each trajectory's result tokens."""
         s = self.settings
         flat = [c for _, calls in pending for c in calls]
         results = iter(
             run_calls(flat, self.tools, max_parallel=s.max_parallel_calls, timeout_s=s.tool_timeout_s)
         )
+        tokens = []
         for r, calls in pending:
             texts = []
             for call in calls:
@@ -346,33 +352,16 @@ class AgentLoop:
                 )
                 n_tokens = len(self.tokenizer.encode(res.text, add_special_tokens=False))
                 r.tool_truncated += n_tokens > s.max_tool_response_length
-            self._append_env(r, self.fmt.result_tokens(texts), limit)
-
-    @staticmethod
-    def _append_env(r: _Trajectory, tokens: list[int], limit: int) -> None:
-        """Append environment tokens (mask 0), cut to the response budget ``limit``; a trajectory
-        with no room left for the model to answer ends, truncated."""
-        r.user_turns += 1
-        room = limit - len(r.ids)
-        if len(tokens) >= room:
-            tokens = tokens[:room]
-            r.done = r.truncated = True
-        r.ids += tokens
-        r.mask += [0] * len(tokens)
-        r.logps += [0.0] * len(tokens)
+            tokens.append(self.fmt.result_tokens(texts))
+        return tokens
 
     def _assemble(self, rows: list[_Trajectory]) -> AgentRollout:
         pad = self.engine.pad_token_id
-        prompt_ids, prompt_mask = left_pad([r.prompt for r in rows], pad)
-        width = max(1, max(len(r.ids) for r in rows))
-        out = RolloutOutput(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            response_ids=right_pad([r.ids for r in rows], pad, torch.long, width),
-            response_mask=right_pad([r.mask for r in rows], 0, torch.long, width),
-            log_probs=right_pad([r.logps for r in rows], 0.0, torch.float32, width),
-            truncated=torch.tensor([r.truncated for r in rows]),
-            response_attention_mask=right_pad([[1] * len(r.ids) for r in rows], 0, torch.long, width),
+        out = pack(
+            [r.prompt for r in rows],
+            [(r.ids, r.mask, r.logps) for r in rows],
+            [r.truncated for r in rows],
+            pad,
         )
         info = [
             {
@@ -385,21 +374,3 @@ class AgentLoop:
             for r in rows
         ]
         return AgentRollout(out, info, agent_metrics(info, out.response_mask, out.response_attention_mask))
-
-
-def agent_metrics(rows: list[dict], mask: torch.Tensor, attention: torch.Tensor) -> dict[str, float]:
-    """``multi_turn/*`` metrics of trajectories: ``rows`` as :class:`AgentRollout` gives them, with their
-    loss mask and attention mask (B, R), so a batch gathered from several workers gets its metrics once."""
-    turns = torch.tensor([float(r["num_turns"]) for r in rows])
-    calls = torch.tensor([float(len(r["tool_calls"])) for r in rows])
-    return {
-        "multi_turn/num_turns/mean": float(turns.mean()),
-        "multi_turn/num_turns/max": float(turns.max()),
-        "multi_turn/num_turns/min": float(turns.min()),
-        "multi_turn/tool_calls/mean": float(calls.mean()),
-        "multi_turn/tool_errors": float(sum(c["error"] for r in rows for c in r["tool_calls"])),
-        "multi_turn/invalid_actions": float(sum(r["invalid"] for r in rows)),
-        "multi_turn/tool_response_truncated": float(sum(r["tool_truncated"] for r in rows)),
-        "multi_turn/answered": sum(r["answered"] for r in rows) / len(rows),
-        "multi_turn/tool_token_share": float((attention.sum() - mask.sum()) / attention.sum().clamp(min=1)),
-    }

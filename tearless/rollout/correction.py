@@ -21,6 +21,8 @@ asynchronous loop the same maths corrects for policy lag (decoupled PPO, ``docs/
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tearless.algos import masked_mean
@@ -47,7 +49,9 @@ def rollout_correction(
     has_tokens = valid.sum(-1) > 0
     metrics = {
         "rollout_corr/kl": float(masked_mean(-delta, mask)),
-        "rollout_corr/k3_kl": float(masked_mean(delta.exp() - 1 - delta, mask)),
+        # expm1 in float64: e^Δ − 1 − Δ ≈ Δ²/2 is far below float32's rounding of e^Δ when the engines
+        # agree (|Δ| ~ 1e-6), and the float32 form then came out negative.
+        "rollout_corr/k3_kl": float(masked_mean(torch.expm1(delta.double()) - delta.double(), mask)),
         "rollout_corr/log_ppl_diff": float((ppl_old - ppl_rollout)[has_tokens].mean()),
         "rollout_corr/max_abs_log_ratio": float(delta.abs().max()),
     }
@@ -80,3 +84,28 @@ def rollout_rejection(
     else:
         keep, metrics = rejection_mask(delta, mask, level=level, upper=threshold, lower=lower, veto=veto)
     return keep, {f"rollout_corr/{k}": v for k, v in metrics.items()}
+
+
+def correct_rollout(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, rc: Any
+) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
+    """The TIS weights (:func:`rollout_correction`), the keep-mask (:func:`rollout_rejection`) and
+    both's metrics, as ``rc`` (the ``algorithm.rollout_correction`` section) configures them."""
+    weights, corr = rollout_correction(
+        old_log_prob,
+        rollout_log_prob,
+        response_mask,
+        level=rc.rollout_is,
+        threshold=rc.rollout_is_threshold,
+        lower=rc.rollout_is_threshold_lower,
+    )
+    keep, rejected = rollout_rejection(
+        old_log_prob,
+        rollout_log_prob,
+        response_mask,
+        level=rc.rollout_rs,
+        threshold=rc.rollout_rs_threshold,
+        lower=rc.rollout_rs_threshold_lower,
+        veto=rc.rollout_token_veto_threshold,
+    )
+    return weights, keep, {**corr, **rejected}

@@ -16,7 +16,7 @@ import torch
 from tearless.models.compat import cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import use_tearless_attention
-from tearless.models.precision import autocast
+from tearless.models.precision import autocast, forward_only
 from tearless.rollout.decode_step import filter_logits, sample_step
 from tearless.rollout.engine import Capabilities, RolloutOutput, concat_rollouts, left_pad, select_rows
 from tearless.rollout.seeds import sample_keys, uniforms
@@ -115,7 +115,7 @@ class HFRollout:
         prompt_ids, prompt_mask = left_pad(expanded, self.pad_token_id)
         try:
             device = compute_device(self.model)
-            with torch.inference_mode(), autocast(device, self.compute_dtype):
+            with forward_only(device, self.compute_dtype), autocast(device, self.compute_dtype):
                 static = device.type == "cuda" if self.static_loop is None else self.static_loop
                 if static and between_tokens is None:  # the GPU loop: no host read per token
                     draws = uniforms(sample_keys(keys, n), max_new_tokens) if do_sample else None
@@ -239,6 +239,7 @@ class HFRollout:
             new_version = between_tokens() if between_tokens is not None else None
             if new_version is not None:  # new weights: the live responses so far, prefilled again
                 version = new_version
+                torch.clear_autocast_cache()  # the bf16 casts of the old weights (precision.forward_only)
                 history = [prompts[int(r) // n] + tokens[r, : t + 1].tolist() for r in rows]
                 ids, attn = (x.to(device) for x in left_pad(history, self.pad_token_id))
                 capacity = ids.shape[1] + max_new_tokens - t - 1

@@ -57,10 +57,25 @@ def max_difference(engine: torch.Tensor, trainer: torch.Tensor) -> float:
     return float((engine.float() - trainer.float()).abs().max())
 
 
+def _when(step: int | None) -> str:
+    return "the first weight load" if step is None else f"the weight sync after step {step}"
+
+
+def checksum_message(step: int | None, fault: str) -> str:
+    """The one line that stops a run whose sync (after ``step``; None: the first load) failed the weight
+    checksum (:mod:`tearless.rollout.weight_checksum`; ``fault`` names the tensor and the worker)."""
+    return (
+        f"{_when(step)}: weight checksum: {fault}; the engine does not hold the trained weights, so the "
+        "run stopped before training on its samples. Check the vLLM version against constraints-vllm.txt "
+        "(a kernel that repacks weights wrongly) and the weight names the engine loads; "
+        "actor_rollout_ref.rollout.weight_checksum=false turns this check off"
+    )
+
+
 def mismatch_message(step: int | None, diff: float, bound: float, dtype: str) -> str:
     """The one line that stops a run whose sync (after ``step``; None: the first load) left the engine
     with other weights than the trainer."""
-    when = "the first weight load" if step is None else f"the weight sync after step {step}"
+    when = _when(step)
     return (
         f"{when}: the rollout engine's log-probs of the probe differ from the trainer's by {diff:.4g} "
         f"(bound {bound:.4g} for rollout dtype {dtype}, {METRIC}); the engine does not hold the "

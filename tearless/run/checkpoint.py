@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -265,4 +266,19 @@ def load_state(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is not a complete tearless checkpoint (no {MARKER} marker or "
             "trainer_state.pt); point trainer.resume_from_path at a global_step_N directory"
         )
-    return torch.load(path / "trainer_state.pt", weights_only=True)
+    state_file = path / "trainer_state.pt"
+    try:
+        return torch.load(state_file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as e:
+        # torch's own message advises weights_only=False, which would run whatever the file holds
+        # and cannot mend a cut file: name the file and the way out instead.
+        what = (
+            "holds objects other than tensors and plain data (refused: loading them could run code)"
+            if "Weights only load failed" in str(e)
+            else f"is truncated or damaged ({type(e).__name__})"
+        )
+        raise CheckpointDamaged(
+            f"{state_file} {what}; resume from an earlier checkpoint with trainer.resume_mode=resume_path "
+            "trainer.resume_from_path=<run dir>/global_step_N, or start afresh with "
+            "trainer.resume_mode=disable"
+        ) from None

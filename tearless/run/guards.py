@@ -14,7 +14,6 @@ anything samples from, validates or saves the broken weights.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -48,14 +47,18 @@ def check_weights(
     step: int,
     actor: torch.nn.Module | None,
     critic: torch.nn.Module | None,
-    cfg: Any,
+    lrs: dict[str, float],
+    run_dir: str,
     probe: tuple[torch.Tensor, torch.Tensor] | None = None,
     agree: Callable[[bool], bool] = bool,
 ) -> None:
     """Raise :class:`WeightsNotFinite` if the actor's (or critic's) weights, or the actor's logits on
     the ``probe`` prompt (``(prompt_ids, prompt_mask)``, the first row is used), are not finite after
-    step ``step``'s update (see the module docs). ``agree`` turns this rank's verdict into the verdict
-    of all ranks holding shards of the models (every rank then raises together)."""
+    step ``step``'s update (see the module docs). ``lrs`` are the roles' learning rates
+    (``actor_rollout_ref.actor.optim.lr``, ``critic.optim.lr``) and ``run_dir`` the checkpoints'
+    directory (``trainer.default_local_dir``), both for the message. ``agree`` turns this rank's
+    verdict into the verdict of all ranks holding shards of the models (every rank then raises
+    together)."""
     ids = None
     if probe is not None:
         ids = probe[0][0][probe[1][0].bool()].unsqueeze(0)
@@ -64,8 +67,7 @@ def check_weights(
             continue
         if agree(weights_finite(model) and (name != "actor" or ids is None or logits_finite(model, ids))):
             continue
-        optim = cfg.actor_rollout_ref.actor.optim if name == "actor" else cfg.critic.optim
-        latest = ckpt.latest_checkpoint(cfg.trainer.default_local_dir)
+        latest = ckpt.latest_checkpoint(run_dir)
         again = (
             f"resume with trainer.resume_mode=auto trainer.resume_allow_changes=[{section}.optim.lr]"
             if latest
@@ -77,7 +79,7 @@ def check_weights(
         raise WeightsNotFinite(
             f"step {step}: the {name}'s weights (or its logits) are NaN or infinite after its update, though "
             "the loss and gradient norm were finite: the update was too large "
-            f"({section}.optim.lr={optim.lr:g}). "
+            f"({section}.optim.lr={lrs[name]:g}). "
             f"Nothing of step {step} was saved; {where}. Lower {section}.optim.lr (or clip gradients "
             f"harder with {section}.grad_clip), then {again}"
         )

@@ -121,6 +121,16 @@ def truncate_jsonl(path: str | os.PathLike, last_step: int, log: Callable[[str],
     os.replace(tmp, p)
 
 
+def restore_record(path: str | os.PathLike, step: int, record: dict[str, Any] | None) -> None:
+    """Append ``record``, the metrics line a checkpoint of ``step`` kept, to the metrics file at
+    ``path`` unless it holds that step already (the crash came between the save and the write)."""
+    if not record:
+        return
+    if step not in [r.get("step") for r in read_metrics(path)]:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, **record}) + "\n")
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e4):

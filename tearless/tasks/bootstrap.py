@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,15 +50,6 @@ class TaskFiles:
     val_file: str
     info: dict
     tool_config_path: str | None = None  # the task's tool YAML (multi-turn tasks)
-
-
-def default_cache_dir() -> Path:
-    """``$TEARLESS_CACHE``, else ``$XDG_CACHE_HOME/tearless``, else ``~/.cache/tearless``."""
-    if os.environ.get("TEARLESS_CACHE"):
-        return Path(os.environ["TEARLESS_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg and Path(xdg).expanduser().is_absolute() else Path.home() / ".cache"
-    return base / "tearless"
 
 
 def tiny_llama(

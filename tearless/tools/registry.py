@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tearless.tools.base import ToolLike
+from tearless.userfiles import check_user_file, read_user_file
 
 _REGISTRY: dict[str, Callable[..., ToolLike]] = {}
 
@@ -60,8 +62,9 @@ def tool_class(class_name: str, *, base_dir: Path, where: str) -> Callable[..., 
     if ":" in class_name:
         file, _, attr = class_name.rpartition(":")
         path = Path(file) if Path(file).is_absolute() else base_dir / file
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise ValueError(f"{where}: class_name {class_name!r}: {path} is not a file")
+        check_user_file(path, key=f"{where}: class_name", kind="code")
         spec = importlib.util.spec_from_file_location(f"tearless_user_tool_{path.stem}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -103,12 +106,13 @@ def load_tools(path: str | Path) -> dict[str, ToolLike]:
     from omegaconf import OmegaConf
 
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"actor_rollout_ref.rollout.multi_turn.tool_config_path: {path} does not exist; point it at a "
             "tool YAML (see tearless/tools/registry.py)"
         )
-    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    text = read_user_file(path, key="actor_rollout_ref.rollout.multi_turn.tool_config_path", kind="config")
+    raw = OmegaConf.to_container(OmegaConf.create(text.decode("utf-8", "replace")), resolve=True)
     entries = raw.get("tools") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise ValueError(f"{path}: expected a top-level 'tools' list")

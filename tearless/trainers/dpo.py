@@ -34,7 +34,7 @@ import torch
 
 from tearless.algos import KTO_LOSSES, REFERENCE_FREE, dpo_loss
 from tearless.config.dpo import DPOConfig
-from tearless.data import PromptLoader, load_many
+from tearless.data import load_many
 from tearless.data.pairs import PairDataset, UnpairedDataset, side_lengths
 from tearless.data.sft import read_many
 from tearless.models.loading import load_causal_lm, load_tokenizer
@@ -116,14 +116,73 @@ def preference_step(
         sums["logp_r"] += logps[:, 1].detach().sum().item()
     n = len(items)
     return {
+        **pair_reward_metrics(sums, n),
+        "logps/chosen": sums["logp_c"] / n,
+        "logps/rejected": sums["logp_r"] / n,
+    }
+
+
+def pair_reward_metrics(sums: dict[str, float], n: int) -> dict[str, float]:
+    r"""A pair step's ``loss`` and TRL's ``rewards/*`` metrics (``tearless dpo`` and ``rm``) from the
+    sums over its ``n`` pairs of the rewards :math:`r_c, r_r` (DPO: the implicit
+    :math:`\beta(\log\pi - \log\pi_{ref})`; rm: the head's scores): ``rewards/chosen`` =
+    :math:`\frac{1}{n}\sum_i r_{c,i}`, ``rewards/rejected`` likewise, ``rewards/accuracies`` = the share
+    of pairs with :math:`r_c > r_r`, ``rewards/margins`` = :math:`\frac{1}{n}\sum_i (r_{c,i} - r_{r,i})`.
+    ``sums["loss"]`` is already the step's mean (micro-batch losses weighted by their share of pairs).
+    """
+    return {
         "loss": sums["loss"],
         "rewards/chosen": sums["chosen"] / n,
         "rewards/rejected": sums["rejected"] / n,
         "rewards/accuracies": sums["accuracies"] / n,
         "rewards/margins": sums["margins"] / n,
-        "logps/chosen": sums["logp_c"] / n,
-        "logps/rejected": sums["logp_r"] / n,
     }
+
+
+def pair_paths(
+    model_path: Any, data: Any, task: Any, *, log: Callable[[str], None]
+) -> tuple[Any, Any, Any, str | None]:
+    """``(model, train pairs, held-out pairs, held-out prompts)``: ``model_path`` and ``data``'s files
+    where given, else the embedded task's warm-up model and the pairs made from its answers (built and
+    cached on first use; ``task`` is a :class:`~tearless.config.dpo.DPOTaskConfig`). The held-out
+    prompts are the task's when its pairs are used, else None."""
+    if model_path is not None and data.train_files is not None:
+        return model_path, data.train_files, data.val_files, None
+    spec = TaskSpec.from_config(task)
+    files = prepare_task(spec, task.cache_dir, fresh=task.fresh, log=log)
+    if data.train_files is not None:
+        return files.model_dir, data.train_files, data.val_files, None
+    pairs = prepare_pairs(
+        spec,
+        files,
+        task.cache_dir,
+        samples_per_prompt=task.samples_per_prompt,
+        temperature=task.temperature,
+        max_new_tokens=data.max_response_length,
+        fresh=task.fresh,
+        log=log,
+    )
+    return model_path or files.model_dir, pairs.train_file, pairs.val_file, files.val_file
+
+
+# The data section's keys every pair dataset takes, by the same names.
+PAIR_DATA_KEYS = ("max_length", "truncation", "prompt_key", "chosen_key", "rejected_key")
+
+
+def pair_datasets(
+    dataset: Callable[..., Any], data: Any, train_files: Any, val_files: Any, tokenizer: Any, **keys: Any
+) -> tuple[Any, Any | None]:
+    """``(training set, held-out set or None)`` of ``dataset`` (a :mod:`tearless.data.pairs` class) read
+    from the files :func:`pair_paths` resolved, with ``data``'s length and column keys plus ``keys``; the
+    held-out set keeps its first ``data.val_max_samples`` rows when that is > 0 (``tearless dpo`` and
+    ``rm``)."""
+    keys = {**{k: getattr(data, k) for k in PAIR_DATA_KEYS}, **keys}
+    train_set = dataset(read_many(train_files), tokenizer, source=str(train_files), **keys)
+    val_records = read_many(val_files) if val_files else []
+    if data.val_max_samples > 0:
+        val_records = val_records[: data.val_max_samples]
+    val_set = dataset(val_records, tokenizer, source=str(val_files), **keys) if val_records else None
+    return train_set, val_set
 
 
 class DPOTrainer:
@@ -131,12 +190,8 @@ class DPOTrainer:
     ``DPOTrainer(cfg).fit()`` trains and returns a summary."""
 
     def __init__(self, cfg: DPOConfig, *, log: Callable[[str], None] = print) -> None:
-
-        self.cfg, self.log = cfg, log
+        state, resume_dir = offline.begin(self, cfg, log)
         data, t = cfg.data, cfg.trainer
-        self.device = offline.setup_torch(t)
-        self.run_dir = Path(t.default_local_dir)
-        self.start_step, state, resume_dir = offline.find_resume(t, self.run_dir)
         model_path, train_files, val_files, prompt_files = self._resolve_paths()
         # The held-out scorer is checked before anything of the model (its tokenizer included) loads.
         self.prompt_rows = load_many(prompt_files) if prompt_files else []
@@ -145,72 +200,38 @@ class DPOTrainer:
         self.score_fn = offline.held_out_scorer(cfg.custom_reward_function, self.prompt_rows)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or model_path, "model.path")
         self.unpaired = cfg.algorithm.loss_type in KTO_LOSSES
-        keys = dict(
-            max_length=data.max_length,
-            truncation=data.truncation,
-            prompt_key=data.prompt_key,
-            chosen_key=data.chosen_key,
-            rejected_key=data.rejected_key,
+        unpaired_keys = (
+            dict(completion_key=data.completion_key, label_key=data.label_key, kl_seed=t.seed)
+            if self.unpaired
+            else {}
         )
-        if self.unpaired:
-            keys.update(completion_key=data.completion_key, label_key=data.label_key, kl_seed=t.seed)
         dataset = UnpairedDataset if self.unpaired else PairDataset
-        self.train_set = dataset(read_many(train_files), self.tokenizer, source=str(train_files), **keys)
-        val_records = read_many(val_files) if val_files else []
-        if data.val_max_samples > 0:
-            val_records = val_records[: data.val_max_samples]
-        self.val_set = (
-            dataset(val_records, self.tokenizer, source=str(val_files), **keys) if val_records else None
+        self.train_set, self.val_set = pair_datasets(
+            dataset, data, train_files, val_files, self.tokenizer, **unpaired_keys
         )
-        self.loader = PromptLoader(
-            self.train_set,
-            data.train_batch_size,
-            shuffle=data.shuffle,
-            seed=t.seed if data.seed is None else data.seed,
-        )
-        self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
+        self.loader, self.total_steps = offline.make_loader(self.train_set, data, t)
         self.model = load_causal_lm(
             resume_dir / "actor" if resume_dir else model_path,
             dtype=cfg.model.dtype,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             key="model.path",
-        ).to(self.device)
-        self.optimizer, self.scheduler = offline.make_optimizer(self.model, cfg.optim, self.total_steps)
+        )
+        offline.start_optimizer(self, state, resume_dir)
         # Reference log-probs are computed batch by batch as items are first used (TRL's default), by a
         # frozen copy of the starting model (or model.ref_path), and kept in checkpoints.
         self.ref_source = cfg.model.ref_path or model_path
         self.ref_model: torch.nn.Module | None = None
         self.ref: dict[str, dict[int, tuple[float, ...]]] = {"train": {}, "val": {}}
         if state is not None:
-            offline.restore(state, self.optimizer, self.scheduler)
             self.ref.update(state["reference_logps"])
-            log(f"resumed from {resume_dir} at step {self.start_step}")
         elif cfg.model.ref_path is None and not self._reference_free():
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
 
     def _resolve_paths(self) -> tuple[Any, Any, Any, Any]:
         """Model, train pairs, held-out pairs and held-out prompts; the embedded task's where null."""
-        cfg = self.cfg
-        model_path, data = cfg.model.path, cfg.data
-        if model_path is not None and data.train_files is not None:
-            return model_path, data.train_files, data.val_files, data.val_prompt_files
-
-        task = cfg.task
-        spec = TaskSpec.from_config(task)
-        files = prepare_task(spec, task.cache_dir, fresh=task.fresh, log=self.log)
-        if data.train_files is not None:
-            return files.model_dir, data.train_files, data.val_files, data.val_prompt_files
-        pairs = prepare_pairs(
-            spec,
-            files,
-            task.cache_dir,
-            samples_per_prompt=task.samples_per_prompt,
-            temperature=task.temperature,
-            max_new_tokens=data.max_response_length,
-            fresh=task.fresh,
-            log=self.log,
-        )
-        return model_path or files.model_dir, pairs.train_file, pairs.val_file, files.val_file
+        data = self.cfg.data
+        model_path, train, val, prompts = pair_paths(self.cfg.model.path, data, self.cfg.task, log=self.log)
+        return model_path, train, val, data.val_prompt_files if data.train_files is not None else prompts
 
     def _reference_free(self) -> bool:
         alg = self.cfg.algorithm
@@ -276,13 +297,7 @@ class DPOTrainer:
     def train_step(self, items: list[dict]) -> dict[str, float]:
         started = time.perf_counter()
         self.model.train()
-        metrics = self._step(items, self._fill_reference("train", items))
-        metrics["train/loss"] = metrics.pop("loss")
-        metrics.update(
-            offline.optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.clip_grad)
-        )
-        metrics["timing_s/step"] = time.perf_counter() - started
-        return metrics
+        return offline.finish_step(self, self._step(items, self._fill_reference("train", items)), started)
 
     def validate(self) -> dict[str, float]:
         """``val/*`` preference metrics on the held-out pairs and greedy accuracy on held-out prompts."""
@@ -295,17 +310,7 @@ class DPOTrainer:
             micro = None if sorts else self.cfg.data.micro_batch_size_per_gpu or 64
             val = self._step(items, self._fill_reference("val", items), train=False, micro_batch_size=micro)
             metrics.update({f"val/{k}": v for k, v in val.items()})
-        if self.prompt_rows:
-            metrics.update(
-                offline.greedy_accuracy(
-                    self.model,
-                    self.tokenizer,
-                    self.prompt_rows,
-                    max_new_tokens=self.cfg.data.max_response_length,
-                    score_fn=self.score_fn,
-                    log=self.log,
-                )
-            )
+        metrics.update(offline.prompt_accuracy(self))
         return metrics
 
     def save(self, step: int) -> Path:

@@ -25,6 +25,24 @@ def _stats(prefix: str, x: torch.Tensor) -> dict[str, float]:
     }
 
 
+def distill_metrics(
+    teacher_log_prob: torch.Tensor, student_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    r"""On-policy distillation's fit, token-mean over the batch's valid tokens:
+    ``distill/reverse_kl`` :math:`= \frac{1}{\sum m} \sum_{i,t} m_{i,t} (\log \pi_S - \log \pi_T)`,
+    the one-sample estimate of :math:`\mathrm{KL}(\pi_S \Vert \pi_T)` per token at the student's own
+    samples (Tinker's ``teacher_kl``), and the two log-probs' means."""
+    mask = response_mask.bool()
+    count = mask.sum().clamp(min=1)
+    teacher = torch.where(mask, teacher_log_prob, 0.0).sum() / count
+    student = torch.where(mask, student_log_prob, 0.0).sum() / count
+    return {
+        "distill/reverse_kl": float(student - teacher),
+        "distill/teacher_log_prob": float(teacher),
+        "distill/student_log_prob": float(student),
+    }
+
+
 def data_metrics(
     *,
     scores: torch.Tensor,

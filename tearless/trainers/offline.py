@@ -1,4 +1,4 @@
-"""What the offline trainers (SFT and DPO) share around their losses.
+"""What the offline trainers (SFT, DPO and the reward model's) share around their losses.
 
 Device and threads, AdamW with the warm-up + constant/cosine schedule of the RL actor, the
 optimizer step (clip, skip a non-finite gradient norm), resume and checkpoints in the RL trainer's
@@ -20,9 +20,11 @@ from typing import Any, Protocol
 
 import torch
 
+from tearless import faults
 from tearless.config import to_dict
 from tearless.config.sft import OfflineOptimConfig, OfflineTrainerConfig
 from tearless.cpu import configure_cpu
+from tearless.data import PromptLoader
 from tearless.data.rows import DataError
 from tearless.data.sft import sft_prompt
 from tearless.rewards import UnknownDataSource, compute_score, get_scorer
@@ -30,8 +32,8 @@ from tearless.rewards.manager import load_reward_function
 from tearless.rollout.hf import HFRollout
 from tearless.run import checkpoint as ckpt
 from tearless.run.tracking import Tracker, truncate_jsonl
-from tearless.trainers.progress import Progress
-from tearless.workers.actor import lr_lambda
+from tearless.trainers.progress import Progress, run_tracker
+from tearless.workers.optim import adamw, lr_schedule
 
 KEY_METRICS = {"train/loss": "loss", "rewards/accuracies": "acc", "train/grad_norm": "grad", "train/lr": "lr"}
 
@@ -48,14 +50,14 @@ def setup_torch(t: OfflineTrainerConfig) -> torch.device:
 def make_optimizer(
     model: torch.nn.Module, optim: OfflineOptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW and its schedule: linear warm-up over ``warmup_steps_ratio × total_steps`` steps, then
-    constant or a half-cosine from ``lr`` down to ``min_lr_ratio × lr`` at the last step."""
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay
-    )
+    """AdamW over the trainable parameters and its schedule (:mod:`tearless.workers.optim`): linear
+    warm-up over ``warmup_steps_ratio × total_steps`` steps, then constant or a half-cosine from ``lr``
+    down to ``min_lr_ratio × lr`` at the last step."""
+    # A LoRA model's frozen base takes no optimizer slot: its checkpoints hold the adapters' moments only.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(trainable, optim.lr, optim.betas, optim.weight_decay)
     warmup = int(optim.warmup_steps_ratio * total_steps)
-    schedule = lr_lambda(total_steps, warmup, optim.lr_scheduler, optim.min_lr_ratio, 0.5)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    return optimizer, lr_schedule(optimizer, total_steps, warmup, optim.lr_scheduler, optim.min_lr_ratio, 0.5)
 
 
 def optimizer_step(
@@ -76,6 +78,26 @@ def optimizer_step(
     return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped": float(not finite)}
 
 
+def make_loader(dataset: Any, data: Any, t: OfflineTrainerConfig) -> tuple[PromptLoader, int]:
+    """The seeded loader of ``data.train_batch_size`` items (shuffled each epoch by ``data.seed``, else
+    ``trainer.seed``) and the run's step count: ``trainer.total_training_steps``, else epochs × batches."""
+    loader = PromptLoader(
+        dataset, data.train_batch_size, shuffle=data.shuffle, seed=t.seed if data.seed is None else data.seed
+    )
+    return loader, t.total_training_steps or t.total_epochs * loader.num_batches
+
+
+def finish_step(trainer: Any, metrics: dict[str, float], started: float) -> dict[str, float]:
+    """After a step's backward: its ``loss`` renamed ``train/loss``, the optimizer step's metrics
+    (:func:`optimizer_step`) and ``timing_s/step`` since ``started`` (a ``time.perf_counter()``)."""
+    metrics["train/loss"] = metrics.pop("loss")
+    metrics.update(
+        optimizer_step(trainer.model, trainer.optimizer, trainer.scheduler, trainer.cfg.optim.clip_grad)
+    )
+    metrics["timing_s/step"] = time.perf_counter() - started
+    return metrics
+
+
 def find_resume(t: OfflineTrainerConfig, run_dir: Path) -> tuple[int, dict | None, Path | None]:
     """``(start step, trainer state, checkpoint dir)`` per ``trainer.resume_mode``; ``(0, None, None)``
     when starting fresh."""
@@ -87,6 +109,28 @@ def find_resume(t: OfflineTrainerConfig, run_dir: Path) -> tuple[int, dict | Non
         return 0, None, None
     state = ckpt.load_state(path)
     return int(state["global_step"]), state, path
+
+
+def begin(trainer: Any, cfg: Any, log: Callable[[str], None]) -> tuple[dict | None, Path | None]:
+    """The start of every offline trainer: ``trainer.cfg``, ``log``, ``device`` (:func:`setup_torch`),
+    ``run_dir`` and ``start_step`` set; returns the state and directory of the checkpoint to resume
+    (:func:`find_resume`; None, None when starting fresh)."""
+    trainer.cfg, trainer.log = cfg, log
+    trainer.device = setup_torch(cfg.trainer)
+    trainer.run_dir = Path(cfg.trainer.default_local_dir)
+    trainer.start_step, state, resume_dir = find_resume(cfg.trainer, trainer.run_dir)
+    return state, resume_dir
+
+
+def start_optimizer(trainer: Any, state: dict | None, resume_dir: Path | None) -> None:
+    """``trainer.model`` moved to ``trainer.device`` and given its optimizer and schedule
+    (:func:`make_optimizer` over ``trainer.total_steps``), both restored from ``state`` when resuming."""
+    trainer.model.to(trainer.device)
+    optim = trainer.cfg.optim
+    trainer.optimizer, trainer.scheduler = make_optimizer(trainer.model, optim, trainer.total_steps)
+    if state is not None:
+        restore(state, trainer.optimizer, trainer.scheduler)
+        trainer.log(f"resumed from {resume_dir} at step {trainer.start_step}")
 
 
 def trainer_state(step: int, optimizer, scheduler, cfg: Any, **extra: Any) -> dict[str, Any]:
@@ -118,16 +162,7 @@ def open_run(
     run_dir.mkdir(parents=True, exist_ok=True)
     truncate_jsonl(run_dir / "metrics.jsonl", start_step if start_step > 0 else -1)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1, default=str))
-    tracker = Tracker(
-        run_dir,
-        list(t.logger),
-        total_steps=total_steps,
-        config=to_dict(cfg),
-        project=t.project_name,
-        experiment=t.experiment_name,
-        log_freq=t.log_freq,
-        key_metrics=KEY_METRICS,
-    )
+    tracker = run_tracker(run_dir, cfg, total_steps=total_steps, key_metrics=KEY_METRICS)
     tracker.start_at(start_step)
     return tracker
 
@@ -176,6 +211,7 @@ def fit(trainer: OfflineTrainer) -> dict[str, Any]:
             epoch, i = divmod(step, trainer.loader.num_batches)
             items = trainer.loader.batch(epoch, i)
             step += 1
+            faults.point("update", step)
             metrics = trainer.train_step(items)
             metrics.update({"training/global_step": float(step), "training/epoch": float(epoch)})
             last = step == trainer.total_steps
@@ -194,17 +230,19 @@ def fit(trainer: OfflineTrainer) -> dict[str, Any]:
     return summary
 
 
-def save(trainer: Any, step: int, **extra: Any) -> Path:
-    """Checkpoint ``trainer`` (its model, tokenizer, optimizer, scheduler) at ``step``; ``extra``
-    goes into the trainer state."""
+def save(trainer: Any, step: int, *, write: Callable[[Path], None] | None = None, **extra: Any) -> Path:
+    """Checkpoint ``trainer`` (its model and tokenizer as ``actor/``, optimizer, scheduler) at ``step``;
+    ``extra`` goes into the trainer state. ``write(directory)``, when given, writes the model itself
+    (in its own layout) into the checkpoint's directory instead of ``actor/``."""
     state = trainer_state(step, trainer.optimizer, trainer.scheduler, trainer.cfg, **extra)
     return ckpt.save_checkpoint(
         trainer.run_dir,
         step,
-        model=trainer.model,
-        tokenizer=trainer.tokenizer,
+        model=None if write else trainer.model,
+        tokenizer=None if write else trainer.tokenizer,
         state=state,
         keep=trainer.cfg.trainer.max_ckpt_to_keep,
+        write=write,
     )
 
 
@@ -270,6 +308,21 @@ def greedy_accuracy(
         metrics[f"val-core/{src}/acc/greedy"] = sum(a for _, a in vals) / len(vals)
         metrics[f"val-core/{src}/reward/greedy"] = sum(s for s, _ in vals) / len(vals)
     return metrics
+
+
+def prompt_accuracy(trainer: Any) -> dict[str, float]:
+    """:func:`greedy_accuracy` on ``trainer``'s held-out prompts (its ``prompt_rows``, scored by its
+    ``score_fn``, answers of up to ``data.max_response_length`` tokens); ``{}`` when it has none."""
+    if not trainer.prompt_rows:
+        return {}
+    return greedy_accuracy(
+        trainer.model,
+        trainer.tokenizer,
+        trainer.prompt_rows,
+        max_new_tokens=trainer.cfg.data.max_response_length,
+        score_fn=trainer.score_fn,
+        log=trainer.log,
+    )
 
 
 def format_val(title: str, metrics: dict[str, float]) -> str:

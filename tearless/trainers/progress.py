@@ -1,4 +1,5 @@
-"""Progress lines for long phases (validation, the DPO reference pass): silent while a phase is quick.
+"""What a run says as it goes: progress lines for long phases (validation, the DPO reference pass),
+silent while a phase is quick, and the run's tracker (:func:`run_tracker`).
 
 A phase reports ``done/total`` at most every ``every_s`` seconds, so the embedded task's one-second
 validation prints nothing while a real model's minutes of generation say how far they are.
@@ -6,8 +7,30 @@ validation prints nothing while a real model's minutes of generation say how far
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from typing import Any
+
+from tearless.config import to_dict
+from tearless.run.tracking import Tracker
+
+
+def run_tracker(run_dir: str | os.PathLike, cfg: Any, *, total_steps: int, **kwargs: Any) -> Tracker:
+    """The run's :class:`~tearless.run.tracking.Tracker`, as every trainer (RL, offline, flow) makes it:
+    its config's ``trainer`` loggers, project, experiment and log frequency, the whole config recorded;
+    ``kwargs`` (``key_metrics``, ``callbacks``) go to the tracker."""
+    t = cfg.trainer
+    return Tracker(
+        run_dir,
+        list(t.logger),
+        total_steps=total_steps,
+        config=to_dict(cfg),
+        project=t.project_name,
+        experiment=t.experiment_name,
+        log_freq=t.log_freq,
+        **kwargs,
+    )
 
 
 class Progress:

@@ -14,8 +14,14 @@ import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from tearless.run.tracking import parse_jsonl
+
+if TYPE_CHECKING:  # the viewer and the report read records without loading torch
+    import torch
+
+    from tearless.rollout.batch import Rollout
 
 ROLLOUTS_FILE = "rollouts.jsonl.gz"
 
@@ -75,3 +81,32 @@ def truncate_records(path: str | os.PathLike, last_step: int) -> None:
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
     tmp.write_bytes(b"".join(encode_step(by_step[s]) for s in sorted(by_step)))
     os.replace(tmp, p)
+
+
+def step_records(
+    step: int, rollout: Rollout, advantages: torch.Tensor, tokenizer: Any, count: int
+) -> list[dict]:
+    """The records of the first ``count`` samples of step ``step`` (all of them when ``count < 0``):
+    prompt (decoded with its special tokens), response, score and extras, the advantage of the first
+    response token, the response's length and whether it was cut, and its tool calls if any."""
+    items, mask = rollout.items, rollout.out.response_mask
+    records = []
+    for i in range(len(items) if count < 0 else min(count, len(items))):
+        valid = mask[i].bool()
+        record = {
+            "step": step,
+            "uid": items[i]["uid"],
+            "data_source": items[i]["data_source"],
+            "prompt": tokenizer.decode(items[i]["input_ids"], skip_special_tokens=False),
+            "response": rollout.texts[i],
+            "ground_truth": str(items[i]["ground_truth"]),
+            "score": float(rollout.scores[i]),
+            "reward_extra": rollout.extras[i],
+            "advantage": float(advantages[i][valid][0]) if valid.any() else 0.0,
+            "response_length": int(valid.sum()),
+            "truncated": bool(rollout.out.truncated[i]),
+        }
+        if "tool_calls" in items[i]:
+            record["tool_calls"] = items[i]["tool_calls"]
+        records.append(record)
+    return records

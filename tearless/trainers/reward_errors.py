@@ -12,12 +12,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from tearless.envs.loop import EPISODE_FAILED
 from tearless.rewards import RewardError
 from tearless.rewards.pool import with_source
 
 # Distinct messages whose traceback is printed; later new messages are only counted (a function that
 # embeds the sample in its message would otherwise print one traceback per sample).
 MAX_PRINTED = 5
+
+
+def _what_failed(message: str, count: int, num_samples: int) -> str:
+    if message.startswith(EPISODE_FAILED):
+        return (
+            f"{message} ({count} of {num_samples} samples this round; each gets reward 0 and is not "
+            "trained on)"
+        )
+    return (
+        f"reward function error ({count} of {num_samples} samples this round; each gets "
+        "reward_model.failure_score)"
+    )
 
 
 class RewardErrors:
@@ -36,10 +49,7 @@ class RewardErrors:
             first = message not in self.counts
             self.counts[message] = self.counts.get(message, 0) + count
             if first and len(self.counts) <= MAX_PRINTED:
-                self.log(
-                    f"reward function error ({count} of {num_samples} samples this round; each gets "
-                    f"reward_model.failure_score):\n{with_source(tb.rstrip())}"
-                )
+                self.log(f"{_what_failed(message, count, num_samples)}:\n{with_source(tb.rstrip())}")
         failed = sum(count for count, _ in errors.values())
         if num_samples and failed == num_samples and not self.tolerate:
             tb = with_source(max(errors.values(), key=lambda e: e[0])[1].rstrip())

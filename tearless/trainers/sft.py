@@ -23,7 +23,7 @@ import torch
 
 from tearless.algos import logprobs_from_logits
 from tearless.config.sft import SFTConfig
-from tearless.data import PromptLoader, load_many
+from tearless.data import load_many
 from tearless.data.pairs import collate_pairs
 from tearless.data.sft import SFTDataset, pack_batch, pad_batch, read_many
 from tearless.models.loading import (
@@ -161,15 +161,16 @@ def eval_loss(
     return total
 
 
+# The data section's keys an SFTDataset takes, by the same names.
+SFT_DATA_KEYS = ("max_length", "truncation", "messages_key", "prompt_key", "response_key")
+
+
 class SFTTrainer:
     """Single-process SFT trainer. ``SFTTrainer(cfg).fit()`` trains and returns a summary."""
 
     def __init__(self, cfg: SFTConfig, *, log: Callable[[str], None] = print) -> None:
-        self.cfg, self.log = cfg, log
+        state, resume_dir = offline.begin(self, cfg, log)
         data, t = cfg.data, cfg.trainer
-        self.device = offline.setup_torch(t)
-        self.run_dir = Path(t.default_local_dir)
-        self.start_step, state, resume_dir = offline.find_resume(t, self.run_dir)
         if data.train_files is None:
             train_records, val_records, self.prompt_rows = self._embedded()
         else:
@@ -185,22 +186,10 @@ class SFTTrainer:
         else:
             tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.path")
         self.tokenizer = tokenizer
-        keys = dict(
-            max_length=data.max_length,
-            truncation=data.truncation,
-            messages_key=data.messages_key,
-            prompt_key=data.prompt_key,
-            response_key=data.response_key,
-        )
+        keys = {k: getattr(data, k) for k in SFT_DATA_KEYS}
         self.train_set = SFTDataset(train_records, tokenizer, source=str(data.train_files), **keys)
         self.val_set = SFTDataset(val_records, tokenizer, **keys) if val_records else None
-        self.loader = PromptLoader(
-            self.train_set,
-            data.train_batch_size,
-            shuffle=data.shuffle,
-            seed=t.seed if data.seed is None else data.seed,
-        )
-        self.total_steps = t.total_training_steps or t.total_epochs * self.loader.num_batches
+        self.loader, self.total_steps = offline.make_loader(self.train_set, data, t)
         if resume_dir is None and cfg.model.path is None:
             self.model = self._fresh_model().to(resolve_dtype(cfg.model.dtype))
             if cfg.model.enable_gradient_checkpointing:
@@ -212,11 +201,7 @@ class SFTTrainer:
                 gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
                 key="model.path",
             )
-        self.model.to(self.device)
-        self.optimizer, self.scheduler = offline.make_optimizer(self.model, cfg.optim, self.total_steps)
-        if state is not None:
-            offline.restore(state, self.optimizer, self.scheduler)
-            log(f"resumed from {resume_dir} at step {self.start_step}")
+        offline.start_optimizer(self, state, resume_dir)
         self.collate = collate_fn(
             pad_token_id=tokenizer.pad_token_id, packing=data.packing, max_length=data.max_length
         )
@@ -267,17 +252,7 @@ class SFTTrainer:
             items = [self.val_set[i] for i in range(len(self.val_set))]
             size = self.cfg.data.micro_batch_size_per_gpu or 256
             metrics["val/loss"] = eval_loss(self.model, items, collate=self.collate, micro_batch_size=size)
-        if self.prompt_rows:
-            metrics.update(
-                offline.greedy_accuracy(
-                    self.model,
-                    self.tokenizer,
-                    self.prompt_rows,
-                    max_new_tokens=self.cfg.data.max_response_length,
-                    score_fn=self.score_fn,
-                    log=self.log,
-                )
-            )
+        metrics.update(offline.prompt_accuracy(self))
         return metrics
 
     def save(self, step: int) -> Path:

@@ -55,7 +55,7 @@ import torch
 from tearless import faults
 from tearless.algos import filter_groups
 from tearless.algos.groups import first_groups, groups_within, num_groups
-from tearless.config import Config
+from tearless.config.plan import SourceSettings
 from tearless.data import PromptLoader
 from tearless.rollout.batch import Rollout, concat
 from tearless.rollout.seeds import prompt_keys
@@ -76,42 +76,6 @@ class PromptDraw:
         self.position += 1
         prompts = [{**p, "uid": f"{step}-{round_}-{j}"} for j, p in enumerate(self.loader.batch(epoch, i))]
         return prompts, position
-
-
-@dataclass(frozen=True)
-class SourceSettings:
-    """What the source reads of the config (:meth:`from_config`)."""
-
-    n: int
-    max_new_tokens: int
-    sampling: dict[str, Any]  # temperature, top_p, top_k
-    seed: int
-    total_steps: int
-    max_staleness: int  # k
-    asynchronous: bool  # async_training.enable: staleness bounded and reported (async/* metrics)
-    partial_rollout: bool
-    filter_groups: bool
-    target_groups: int  # data.train_batch_size
-    max_num_gen_batches: int
-    greedy_baselines: bool  # ReMax
-
-    @classmethod
-    def from_config(cls, cfg: Config, *, total_steps: int, max_new_tokens: int) -> SourceSettings:
-        rollout, at, fg = cfg.actor_rollout_ref.rollout, cfg.async_training, cfg.algorithm.filter_groups
-        return cls(
-            n=rollout.n,
-            max_new_tokens=max_new_tokens,
-            sampling=dict(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k),
-            seed=cfg.trainer.seed,
-            total_steps=total_steps,
-            max_staleness=at.max_staleness if at.enable else 0,
-            asynchronous=at.enable,
-            partial_rollout=at.partial_rollout,
-            filter_groups=fg.enable,
-            target_groups=cfg.data.train_batch_size,
-            max_num_gen_batches=fg.max_num_gen_batches,
-            greedy_baselines=cfg.algorithm.adv_estimator == "remax",
-        )
 
 
 @dataclass

@@ -18,8 +18,6 @@ answers labelled by their outcome only; its log-ratio to the warm-up model is th
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
 import shutil
@@ -30,15 +28,15 @@ from typing import Any
 
 import torch
 
+from tearless.cachedir import build_dir, cached_build
 from tearless.config import load_config
 from tearless.config.dpo import DPOConfig
-from tearless.data import load_rows, render_prompt, write_parquet
+from tearless.data import load_rows, write_parquet
 from tearless.models.loading import load_causal_lm, load_tokenizer, quiet_transformers
 from tearless.rewards.prm import encode_steps
-from tearless.rollout.hf import HFRollout
-from tearless.rollout.seeds import prompt_keys
 from tearless.tasks import chain_addition
-from tearless.tasks.bootstrap import TaskFiles, TaskSpec, default_cache_dir
+from tearless.tasks.bootstrap import TaskFiles, TaskSpec
+from tearless.tasks.preferences import sampled_answers
 from tearless.trainers.dpo import DPOTrainer
 from tearless.trainers.warmup import prepare_task
 
@@ -51,22 +49,27 @@ class PRMFiles:
     info: dict
 
 
-@torch.no_grad()
+def _answers(
+    model: torch.nn.Module, tokenizer: Any, rows: list[dict], samples_per_prompt: int, seed: int
+) -> list[tuple[dict, str]]:
+    """``model``'s sampled answers to the chain_addition prompts ``rows``, each with its prompt's row."""
+    texts = sampled_answers(
+        model,
+        tokenizer,
+        rows,
+        samples_per_prompt=samples_per_prompt,
+        max_new_tokens=chain_addition.RESPONSE_TOKENS,
+        seed=seed,
+    )
+    return [(rows[j // samples_per_prompt], text) for j, text in enumerate(texts)]
+
+
 def labelled_answers(
     model: torch.nn.Module, tokenizer: Any, rows: list[dict], *, samples_per_prompt: int, seed: int
 ) -> list[dict]:
     """Sampled answers with their token ids and per-step positions and labels (1 = valid step)."""
-    rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    out = rollout.generate(
-        [render_prompt(tokenizer, r["prompt"]) for r in rows],
-        n=samples_per_prompt,
-        max_new_tokens=chain_addition.RESPONSE_TOKENS,
-        keys=prompt_keys(seed, 0, 0, len(rows)),
-    )
     examples = []
-    for j, (ids, mask) in enumerate(zip(out.response_ids, out.response_mask, strict=True)):
-        row = rows[j // samples_per_prompt]
-        text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+    for row, text in _answers(model, tokenizer, rows, samples_per_prompt, seed):
         labels, _, _ = chain_addition.judge_steps(text, row["extra_info"]["operands"])
         input_ids, positions, _ = encode_steps(
             tokenizer, row["prompt"], text, separator=chain_addition.SEPARATOR
@@ -156,17 +159,11 @@ def prepare_prm(
         "steps": steps,
         "version": PRM_VERSION,
     }
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final = root / f"{spec.key()}-prm-{digest}"
-    if fresh and final.exists():
-        shutil.rmtree(final)
-    if not (final / "prm.json").is_file():
+    final = build_dir(cache_dir, f"{spec.key()}-prm", settings)
+
+    def build(tmp: Path) -> dict:
         log(f"training the chain_addition task's process reward model in {final} (cached)")
         started = time.perf_counter()
-        tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         policy, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
         pad = tokenizer.pad_token_id
         kw = dict(samples_per_prompt=samples_per_prompt)
@@ -183,32 +180,19 @@ def prepare_prm(
         with quiet_transformers():
             prm.save_pretrained(tmp / "model")
             tokenizer.save_pretrained(tmp / "model")
-        (tmp / "prm.json").write_text(json.dumps(info, indent=1))
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same build first; theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
         log(f"PRM held-out step accuracy {info['held_out_step_accuracy']:.3f} ({info['build_seconds']} s)")
-    return PRMFiles(str(final / "model"), json.loads((final / "prm.json").read_text()))
+        return info
+
+    return PRMFiles(str(final / "model"), cached_build(final, "prm.json", build, fresh=fresh))
 
 
-@torch.no_grad()
 def outcome_rows(
     model: torch.nn.Module, tokenizer: Any, rows: list[dict], *, samples_per_prompt: int, seed: int
 ) -> list[dict]:
     """Unpaired preference rows (``prompt``, ``completion``, ``label`` = the answer is right) from
     sampled answers of ``model``; the prompt row's ``data_source``, ``reward_model``, ``extra_info`` kept."""
-    rollout = HFRollout(model, eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id)
-    out = rollout.generate(
-        [render_prompt(tokenizer, r["prompt"]) for r in rows],
-        n=samples_per_prompt,
-        max_new_tokens=chain_addition.RESPONSE_TOKENS,
-        keys=prompt_keys(seed, 0, 0, len(rows)),
-    )
     result = []
-    for j, (ids, mask) in enumerate(zip(out.response_ids, out.response_mask, strict=True)):
-        row = rows[j // samples_per_prompt]
-        text = tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+    for row, text in _answers(model, tokenizer, rows, samples_per_prompt, seed):
         label = chain_addition.compute_score(text, row["reward_model"]["ground_truth"])["acc"] == 1.0
         keep = {k: row[k] for k in ("data_source", "prompt", "reward_model", "extra_info")}
         result.append({**keep, "completion": text, "label": label})
@@ -236,17 +220,11 @@ def prepare_implicit_prm(
         "epochs": epochs,
         "version": PRM_VERSION,
     }
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final = root / f"{spec.key()}-implicit-prm-{digest}"
-    if fresh and final.exists():
-        shutil.rmtree(final)
-    if not (final / "prm.json").is_file():
+    final = build_dir(cache_dir, f"{spec.key()}-implicit-prm", settings)
+
+    def build(tmp: Path) -> dict:
         log(f"training the chain_addition task's implicit PRM in {final} (cached)")
         started = time.perf_counter()
-        tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
         policy, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
         for name, source, seed in (
             ("train", task.train_file, spec.seed),
@@ -276,13 +254,10 @@ def prepare_implicit_prm(
             "held_out_after": summary.get("after", {}),
             "build_seconds": round(time.perf_counter() - started, 1),
         }
-        (tmp / "prm.json").write_text(json.dumps(info, indent=1))
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same build first; theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
         log(f"implicit PRM trained ({info['build_seconds']} s)")
-    return PRMFiles(str(final / "model"), json.loads((final / "prm.json").read_text()))
+        return info
+
+    return PRMFiles(str(final / "model"), cached_build(final, "prm.json", build, fresh=fresh))
 
 
 if __name__ == "__main__":

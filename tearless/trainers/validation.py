@@ -1,17 +1,29 @@
-"""Held-out validation of the RL trainer: greedy accuracy always, mean@n and pass@k when sampling."""
+"""Held-out validation of the RL trainer: greedy accuracy always, mean@n and pass@k when sampling;
+and ``tearless eval``'s :func:`evaluate`, the same validation of a model without a trainer."""
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from tearless.config import Config
+from tearless.config.plan import RunFiles, build_plan
+from tearless.cpu import configure_cpu
+from tearless.models.loading import check_model_dir
 from tearless.rollout.batch import Rollout
 from tearless.rollout.seeds import prompt_keys
 from tearless.trainers.metrics import pass_at_k
 from tearless.trainers.progress import Progress
+from tearless.trainers.reward_errors import RewardErrors
+from tearless.trainers.setup import prompt_set, rule_scored_validation, run_tokenizer
+from tearless.workers.build import ModelBuilder
+from tearless.workers.calibrate import resolve_auto
+from tearless.workers.group import LocalWorkers
+from tearless.workers.spec import RankSpec, resolve_device
 
 
 def validate(
@@ -89,3 +101,60 @@ def _val_pass(
 def format_validation(title: str, metrics: dict[str, float]) -> str:
     lines = [f"held-out {title}:"] + [f"  {k:<40} {v:.4f}" for k, v in sorted(metrics.items())]
     return "\n".join(lines)
+
+
+def evaluate(
+    cfg: Config, *, reward_fn: Callable[..., Any] | None = None, log: Callable[[str], None] = print
+) -> dict[str, float]:
+    """:func:`validate` of ``actor_rollout_ref.model.path`` on ``data.val_files``, in this process,
+    without a trainer: no training data, optimizer, run directory or checkpoint.
+
+    The policy is the actor's model built forward-only (its ``model.dtype``, its ``param_dtype``
+    compute precision, ``auto`` measured as the trainer measures it; a ``lora_adapter_path``'s
+    adapters) and the built-in engine samples from it as the hybrid trainer's engine samples from the
+    trained actor, so the metrics are those of ``trainer.val_only``; vLLM serves ``model.path`` from
+    its own copy. The reward manager scores as in training.
+    """
+    t = cfg.trainer
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    configure_cpu(t.num_threads, t.keep_freed_memory)
+    model_path = str(check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path"))
+    files = RunFiles(model_path, None, cfg.data.val_files, None, None)
+    tokenizer = run_tokenizer(cfg, files)
+    val_set = prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log)
+    device = resolve_device(t.device)
+    plan = resolve_auto(cfg, build_plan(cfg, files), model_path, None, gpu=device == "cuda", log=log)
+    # One rank that trains no role and generates.
+    spec = RankSpec(
+        cfg,
+        roles=(),
+        rollout=True,
+        model_path=model_path,
+        total_steps=0,
+        device=device,
+        reward_fn=reward_fn,
+        plan=plan,
+    )
+    # The built-in engine samples from the actor's model as the hybrid trainer's does; an engine holding
+    # its own copy (vLLM) loads model.path itself.
+    models = {}
+    if not plan.capabilities.holds_own_weights:
+        builder = ModelBuilder(spec, 0, 1, None, torch.device(device))
+        models["actor"] = builder.causal_lm("actor", trained=False)
+    workers = LocalWorkers(spec.replaced(models=models), tokenizer.pad_token_id)
+    errors = RewardErrors(cfg.reward_model.tolerate_failed_steps, log)
+    rule_scored = rule_scored_validation(cfg, reward_fn, val_set, log)
+
+    def generate(prompts: list[dict], *, keys: list[int] | None, n: int, **sampling: Any) -> Rollout:
+        rollout = workers.generate(
+            prompts, n=n, keys=keys, max_new_tokens=plan.response_length, rule_scored=rule_scored, **sampling
+        )
+        errors.report(rollout.errors, len(rollout.items))
+        return rollout
+
+    try:
+        vk = cfg.actor_rollout_ref.rollout.val_kwargs
+        return validate(val_set, generate, vk, seed=t.seed, batch_size=cfg.data.val_batch_size, log=log)
+    finally:
+        workers.close()

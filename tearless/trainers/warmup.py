@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tearless.cachedir import build_dir, cached_build
 from tearless.config.sft import OfflineOptimConfig
 from tearless.data import PromptLoader, write_parquet
 from tearless.data.prompts import render_prompt
@@ -33,7 +33,6 @@ from tearless.tasks.bootstrap import (
     TaskFiles,
     TaskSpec,
     arithmetic_teacher,
-    default_cache_dir,
     task_model,
     task_rows,
     warmup_demos,
@@ -82,14 +81,9 @@ def prepare_task(
     spec: TaskSpec, cache_dir: str | os.PathLike | None = None, *, fresh: bool = False, log=print
 ) -> TaskFiles:
     """Return the task's files, building them first if the cache does not hold them."""
-    root = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-    final = root / spec.key()
-    if fresh and final.exists():
-        shutil.rmtree(final)
-    if not (final / "task.json").is_file():
-        tmp = root / f".{spec.key()}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    final = build_dir(cache_dir, spec.key())
+
+    def build(tmp: Path) -> dict:
         log(f"building the embedded '{spec.name}' task in {final} (cached for later runs)")
         start = time.perf_counter()
         if spec.name == "multihop":
@@ -104,13 +98,10 @@ def prepare_task(
             **built,
             "build_seconds": round(time.perf_counter() - start, 1),
         }
-        (tmp / "task.json").write_text(json.dumps(info, indent=1))
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process finished the same build first; theirs is as good
-            shutil.rmtree(tmp, ignore_errors=True)
         log(f"warm-up done in {info['build_seconds']} s (final loss {info['warmup_final_loss']:.3f})")
-    info = json.loads((final / "task.json").read_text())
+        return info
+
+    info = cached_build(final, "task.json", build, fresh=fresh)
     tools = final / "tools.yaml"
     return TaskFiles(
         str(final / "model"),

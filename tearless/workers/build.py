@@ -11,6 +11,7 @@ manager and agent loop.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -18,56 +19,20 @@ from typing import Any
 
 import torch
 
-from tearless.config import Config
+from tearless.config.plan import role_key
 from tearless.distributed.fsdp import shard_from_rank0
 from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
 from tearless.models.hub import local_model_path
 from tearless.models.loading import load_causal_lm, resolve_dtype
-from tearless.models.lora import add_lora, load_lora
+from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
 from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
-from tearless.rollout.engine import engine_capabilities
 from tearless.rollout.hf import HFRollout
 from tearless.tools import load_tools
 from tearless.workers.spec import RankSpec
-
-
-def rollout_dtype(cfg: Config, device: str) -> str:
-    """The dtype a separate rollout engine holds the policy in: ``rollout.dtype``, or bfloat16 on GPU
-    and float32 on CPU."""
-    name = cfg.actor_rollout_ref.rollout.dtype
-    return name if name else ("bfloat16" if device == "cuda" else "float32")
-
-
-def role_key(role: str) -> str:
-    """The ``param_dtype`` config key of ``role`` (for messages)."""
-    prefix = "critic.model" if role == "critic" else f"actor_rollout_ref.{role}"
-    return f"{prefix}.fsdp_config.param_dtype"
-
-
-def hybrid_rollout_dtype(cfg: Config, device: str, *, warn: bool = True) -> torch.dtype:
-    """The compute dtype of the built-in engine sampling from the trained weights (hybrid placement):
-    ``rollout.dtype``, or the actor's ``param_dtype`` when it is null."""
-    name = cfg.actor_rollout_ref.rollout.dtype
-    if name is not None:
-        return compute_dtype(name, device, "actor_rollout_ref.rollout.dtype", warn=warn)
-    return compute_dtype(
-        cfg.actor_rollout_ref.actor.fsdp_config.param_dtype, device, role_key("actor"), warn=warn
-    )
-
-
-def precision_mismatch(cfg: Config, device: str) -> bool:
-    """Whether the hybrid built-in engine computes in another dtype than the actor's log-prob forward."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if engine_capabilities(rollout.name).holds_own_weights or rollout.nnodes > 0:
-        return False
-    actor = compute_dtype(
-        cfg.actor_rollout_ref.actor.fsdp_config.param_dtype, device, role_key("actor"), warn=False
-    )
-    return hybrid_rollout_dtype(cfg, device, warn=False) != actor
 
 
 class ModelBuilder:
@@ -77,11 +42,9 @@ class ModelBuilder:
         self.spec, self.rank, self.world, self.mesh, self.device = spec, rank, world, mesh, device
 
     def fsdp(self, role: str):
-        """The FSDP settings of ``role``'s model."""
-        cfg = self.spec.cfg
-        if role == "critic":
-            return cfg.critic.model.fsdp_config
-        return getattr(cfg.actor_rollout_ref, role).fsdp_config
+        """The FSDP settings of ``role``'s model as the user gave them (its dtype is the plan's:
+        ``param_dtype`` here may still read ``auto``)."""
+        return self.spec.sections.fsdp(role)
 
     def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         """``build(real)`` as this rank's model: loaded as is without a mesh, else sharded from rank 0;
@@ -91,7 +54,7 @@ class ModelBuilder:
         given = self.spec.models.get(role)
         model = self._shard(build if given is None else (lambda real: given), role)
         if self.device.type == "cpu" or self.mesh is None:
-            dtype = compute_dtype(self.fsdp(role).param_dtype, self.device, role_key(role))
+            dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
             if dtype != torch.float32:
                 set_compute_dtype(model, dtype)
         return model
@@ -101,7 +64,7 @@ class ModelBuilder:
             return build(True).to(self.device)
 
         fsdp, cuda = self.fsdp(role), self.device.type == "cuda"
-        dtype = compute_dtype(fsdp.param_dtype, self.device, role_key(role), warn=False)
+        dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role), warn=False)
         model = shard_from_rank0(
             build,
             self.mesh,
@@ -118,12 +81,13 @@ class ModelBuilder:
     def master_dtype(self, trained: bool) -> str:
         """Sharded trained weights stay float32 (FSDP's mixed precision computes in param_dtype);
         an unsharded model keeps ``model.dtype``."""
-        return "float32" if trained and self.mesh is not None else self.spec.cfg.actor_rollout_ref.model.dtype
+        return "float32" if trained and self.mesh is not None else self.spec.sections.model.dtype
 
     def causal_lm(self, role: str, *, trained: bool) -> torch.nn.Module:
-        """``role``'s causal LM: the checkpoint's (resume) or the base weights, with LoRA adapters for
-        a LoRA actor (new, or the checkpoint's), frozen unless ``trained``."""
-        m, spec = self.spec.cfg.actor_rollout_ref.model, self.spec
+        """``role``'s causal LM: the checkpoint's (resume) or the base weights (the teacher's own for
+        ``teacher``), with LoRA adapters for a LoRA actor (new, or the checkpoint's), frozen unless
+        ``trained``."""
+        m, spec = self.spec.sections.model, self.spec
         dtype = self.master_dtype(trained)
         checkpointing = m.enable_gradient_checkpointing and trained
         resume = Path(spec.resume_dir) / "actor" if spec.resume_dir and role == "actor" else None
@@ -131,6 +95,8 @@ class ModelBuilder:
 
         def build(real: bool) -> torch.nn.Module:
             path = resume if resume is not None and not lora else spec.model_path
+            if role == "teacher":  # forward-only like the reference, from its own weights
+                path = spec.plan.files.teacher_path
             model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
             if not trained:
                 model.requires_grad_(False)
@@ -156,18 +122,15 @@ class ModelBuilder:
 
     def value_model(self) -> torch.nn.Module:
         """The critic's value model: the checkpoint's, ``critic.model.path``'s or the actor's weights."""
-        cfg, spec = self.spec.cfg, self.spec
-        path = (
-            Path(spec.resume_dir) / "critic"
-            if spec.resume_dir
-            else (cfg.critic.model.path or spec.model_path)
-        )
+        spec = self.spec
+        critic = spec.sections.critic.model
+        path = Path(spec.resume_dir) / "critic" if spec.resume_dir else (critic.path or spec.model_path)
 
         def build(real: bool) -> torch.nn.Module:
             return load_value_model(
                 path,
                 dtype=self.master_dtype(True),
-                gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
+                gradient_checkpointing=critic.enable_gradient_checkpointing,
                 meta=not real,
             )
 
@@ -181,93 +144,142 @@ def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained:
     separate rollout rank, from a plain copy in ``rollout.dtype`` that the first weight broadcast
     fills; a vLLM engine always holds its own copy.
     """
-    cfg = spec.cfg
-    arr = cfg.actor_rollout_ref
-    eos = {tokenizer.eos_token_id}
+    eos = eos_token_ids(spec.model_path, tokenizer)
+    if spec.sections.rollout.name == "vllm":
+        engine = _vllm_engine(spec, tokenizer, eos, device, trained)
+    else:
+        engine = _builtin_engine(spec, tokenizer, eos, device, trained)
+    return engine, _reward_manager(spec, device), _agent_loop(spec, engine, tokenizer)
+
+
+def eos_token_ids(model_path: str, tokenizer: Any) -> list[int]:
+    """The tokens that end a response, sorted: the tokenizer's EOS and those of the model's
+    ``generation_config.json`` (one ID or a list; none when the model has no such file)."""
     from transformers import GenerationConfig
 
+    eos = {tokenizer.eos_token_id}
     try:
-        gen_eos = GenerationConfig.from_pretrained(spec.model_path).eos_token_id
+        gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         gen_eos = None
     eos.update(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    if arr.rollout.name == "vllm":
-        # vLLM is an optional dependency, imported only when the run asks for it.
-        from tearless.rollout.vllm import VLLMRollout
+    return sorted(eos)
 
-        dtype = rollout_dtype(cfg, spec.device)
-        response = arr.rollout.response_length or cfg.data.max_response_length
-        context = cfg.data.max_prompt_length + response
-        reload = None
-        if trained is not None:  # hybrid: the engine sleeps, and its weights come from `trained`
 
-            def reload():
-                return hf_weights(trained, resolve_dtype(dtype))
+def _vllm_engine(
+    spec: RankSpec, tokenizer: Any, eos: list[int], device: torch.device, trained: torch.nn.Module | None
+):
+    """A vLLM engine over its own copy of the policy in the rollout dtype. In the hybrid placement
+    (``trained`` given) it sleeps during the update and reloads from ``trained``; its KV cache holds
+    a whole batch of ``train_batch_size × n`` sequences of ``max_prompt_length + response_length``."""
+    # vLLM is an optional dependency, imported only when the run asks for it.
+    from tearless.rollout.vllm import VLLMRollout
 
-        engine = VLLMRollout(
-            spec.model_path,
-            arr.rollout,
-            dtype=dtype,
-            eos_token_ids=sorted(eos),
-            pad_token_id=tokenizer.pad_token_id,
-            seed=cfg.trainer.seed,
-            device=spec.device,
-            reload=reload,
-            kv_tokens=cfg.data.train_batch_size * arr.rollout.n * context,
-            # Multi-turn prompts carry earlier turns and a chat template: room beyond `context`.
-            max_model_len=max(context, 4096),
-            distributed=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
-            # enforce_eager=false leaves vLLM its default: CUDA graphs on GPU, eager on CPU.
-            enforce_eager=True if arr.rollout.enforce_eager else None,
-        )
-    else:
-        model = trained
-        if model is None:
-            model = load_causal_lm(spec.model_path, dtype=rollout_dtype(cfg, spec.device)).to(device)
-            model.requires_grad_(False)
-        # Sampling from the trained weights (hybrid): autocast in the rollout's precision on CPU.
-        precision = hybrid_rollout_dtype(cfg, spec.device) if trained is not None else None
-        engine = HFRollout(
-            model,
-            eos_token_ids=sorted(eos),
-            pad_token_id=tokenizer.pad_token_id,
-            compute_dtype=precision,
-            cuda_graphs=not arr.rollout.enforce_eager,
-        )
+    sections = spec.sections
+    dtype = spec.plan.rollout_dtype(spec.device)
+    context = sections.data.max_prompt_length + spec.plan.response_length
+    reload = None
+    # Adapter-only sync: the engine keeps the frozen base, so what it reloads after a sleep is the
+    # base alone (the adapter comes back from its directory).
+    adapters = (
+        trained is not None and serves_adapter(trained) and spec.plan.lora_sync(device.type) == "adapter"
+    )
+    if trained is not None:  # hybrid: the engine sleeps, and its weights come from `trained`
 
-    crf = cfg.custom_reward_function
+        def reload():
+            return hf_weights(trained, resolve_dtype(dtype), merged=not adapters)
+
+    return VLLMRollout(
+        spec.model_path,
+        sections.rollout,
+        dtype=dtype,
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=sections.trainer.seed,
+        device=spec.device,
+        reload=reload,
+        kv_tokens=sections.data.train_batch_size * sections.rollout.n * context,
+        # Multi-turn prompts carry earlier turns and a chat template: room beyond `context`.
+        max_model_len=max(context, 4096),
+        distributed=torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1,
+        # enforce_eager=false leaves vLLM its default: CUDA graphs on GPU, eager on CPU.
+        enforce_eager=True if sections.rollout.enforce_eager else None,
+        lora_rank=sections.model.lora_rank if adapters else 0,
+    )
+
+
+def _builtin_engine(
+    spec: RankSpec, tokenizer: Any, eos: list[int], device: torch.device, trained: torch.nn.Module | None
+) -> HFRollout:
+    """The built-in engine: over ``trained`` (hybrid: under autocast in the rollout's precision on
+    CPU), else over a frozen copy of the base weights in the rollout dtype."""
+    model = trained
+    if model is None:
+        model = load_causal_lm(spec.model_path, dtype=spec.plan.rollout_dtype(spec.device)).to(device)
+        model.requires_grad_(False)
+    precision = spec.plan.hybrid_rollout_dtype(spec.device) if trained is not None else None
+    return HFRollout(
+        model,
+        eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id,
+        compute_dtype=precision,
+        cuda_graphs=not spec.sections.rollout.enforce_eager,
+    )
+
+
+def _reward_manager(spec: RankSpec, device: torch.device, reward_model: Any = None):
+    """The reward manager of the ``reward_model`` section (None: the spec's): the spec's reward function
+    (a Python caller's), else ``custom_reward_function``'s, else the data source's default scorer."""
+    crf = spec.sections.custom_reward_function
     reward_fn = spec.reward_fn
     if reward_fn is None and crf.path:
         reward_fn = load_reward_function(crf.path, crf.name)
-    reward = make_reward_manager(
-        cfg.reward_model,
+    return make_reward_manager(
+        reward_model or spec.sections.reward_model,
         reward_fn,
         dict(crf.reward_kwargs),
-        max_response_length=arr.rollout.response_length or cfg.data.max_response_length,
+        max_response_length=spec.plan.response_length,
         device=str(device),
     )
-    agent = None
-    mt = arr.rollout.multi_turn
-    if mt.enable and (mt.env is not None or mt.agent is not None):
-        settings = AgentSettings.from_config(mt)
-        if mt.env is not None:
-            factory = env_factory(mt.env, dict(mt.env_kwargs))
-            timeout, family = mt.env_timeout_s, mt.tool_family
-            agent = EnvLoop(engine, tokenizer, factory, settings, env_timeout_s=timeout, tool_family=family)
-        else:
-            agent = ProgramLoop(
-                engine,
-                tokenizer,
-                load_agent(mt.agent),
-                settings,
-                timeout_s=mt.env_timeout_s,
-                tool_family=mt.tool_family,
-            )
-    elif mt.enable:
-        agent = AgentLoop(
+
+
+def rule_reward_manager(spec: RankSpec, device: torch.device):
+    """The rule scorers of :func:`_reward_manager` without the reward model or the judge: what validation
+    scores with when they are the training reward (``reward_model.rule_weight=0``), so that held-out
+    accuracy is the task's scorer's (as veRL validates: with rule-based rewards only)."""
+    rm = spec.sections.reward_model
+    judge = dataclasses.replace(rm.judge, enable=False)
+    rules = dataclasses.replace(rm, enable=False, judge=judge, rule_weight=0.0)
+    return _reward_manager(spec, device, rules)
+
+
+def _agent_loop(spec: RankSpec, engine: Any, tokenizer: Any):
+    """The multi-turn loop over ``engine``, None for a single-turn run: an environment's
+    (``multi_turn.env``), an agent program's (``multi_turn.agent``), else the tool loop over
+    ``multi_turn.tool_config_path`` (or the embedded task's tools, a file of the plan's)."""
+    mt = spec.sections.rollout.multi_turn
+    if not mt.enable:
+        return None
+    settings = AgentSettings.from_config(mt)
+    if mt.env is not None:
+        factory = env_factory(mt.env, dict(mt.env_kwargs))
+        timeout, family = mt.env_timeout_s, mt.tool_family
+        return EnvLoop(engine, tokenizer, factory, settings, env_timeout_s=timeout, tool_family=family)
+    if mt.agent is not None:
+        return ProgramLoop(
             engine,
             tokenizer,
-            load_tools(mt.tool_config_path or spec.tool_config),
-            AgentSettings.from_config(mt),
+            load_agent(mt.agent),
+            settings,
+            timeout_s=mt.env_timeout_s,
+            tool_family=mt.tool_family,
         )
-    return engine, reward, agent
+    return AgentLoop(engine, tokenizer, load_tools(mt.tool_config_path or spec.plan.files.tools), settings)
+
+
+def serves_adapter(model: torch.nn.Module) -> bool:
+    """A LoRA model whose only trained weights are its adapters (no module trained whole), which an
+    engine can serve as base + adapter instead of merged weights."""
+    if not is_lora(model):
+        return False
+    return not getattr(model.peft_config[model.active_adapter], "modules_to_save", None)

@@ -8,35 +8,32 @@ actor (:mod:`tearless.workers.schedule`), each rank running its share of the gro
 
 from __future__ import annotations
 
-import dataclasses
-from types import SimpleNamespace
-
 import torch
 from tensordict import TensorDict
 
 from tearless.algos import value_loss
-from tearless.config.derived import loss_scale_factor
+from tearless.config.schema import CriticConfig
 from tearless.models.value import response_values
-from tearless.workers.actor import make_optimizer
-from tearless.workers.schedule import UpdateSettings, attention_mask
+from tearless.workers.optim import make_optimizer
+from tearless.workers.schedule import UpdateFlags, UpdateSettings, attention_mask
 
 
 class Critic:
     """A value model with its own AdamW, trained on ``returns`` with value clipping.
 
     ``resolved`` is the critic section with every null (inherit-from-actor) field already resolved
-    (:func:`critic_settings`):
+    (the plan's ``critic_section``, :func:`tearless.config.plan.critic_section`):
     ``ppo_mini_batch_size`` (prompts), ``ppo_micro_batch_size_per_gpu``, ``use_dynamic_bsz``,
     ``ppo_max_token_len_per_gpu``, ``ppo_epochs``, ``shuffle``, ``cliprange_value``, ``loss_agg_mode``,
     ``loss_scale_factor``, ``grad_clip``, ``forward_micro_batch_size_per_gpu`` and ``optim``;
-    ``settings`` their update schedule (:func:`update_settings`), both built once from the resolved
+    ``settings`` their update schedule (``UpdateSettings.of_section``), both built once from the resolved
     config.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        resolved,
+        resolved: CriticConfig,
         *,
         settings: UpdateSettings,
         total_steps: int,
@@ -61,9 +58,11 @@ class Critic:
             remove_padding=self.remove_padding,
         )
 
-    def micro_loss(self, mb: TensorDict, norm: dict) -> tuple[torch.Tensor, dict]:
+    def micro_loss(self, mb: TensorDict, norm: dict, flags: UpdateFlags) -> tuple[torch.Tensor, dict]:
         """One micro-batch's globally normalised clipped value loss (``norm``:
-        :func:`~tearless.workers.schedule.mini_batch_norm`) and its metrics."""
+        :func:`~tearless.workers.schedule.mini_batch_norm`) and its metrics. ``flags`` is the
+        update's (:class:`~tearless.workers.schedule.UpdateFlags`, the roles' one loss signature):
+        the value loss reads none of them."""
         vpreds = self.values(mb)
         device = vpreds.device
         mask = mb["response_mask"].to(device)
@@ -80,32 +79,6 @@ class Critic:
         out = {"critic/vf_loss": loss.detach()}
         out.update({f"critic/{k}": v.detach() * share for k, v in metrics.items()})
         return loss, out
-
-
-def update_settings(settings, rollout_n: int) -> UpdateSettings:
-    """The schedule's view of the critic's resolved settings (:func:`critic_settings`)."""
-    return UpdateSettings(
-        rows_per_mini=settings.ppo_mini_batch_size * rollout_n,
-        epochs=settings.ppo_epochs,
-        shuffle=settings.shuffle,
-        micro_size=settings.ppo_micro_batch_size_per_gpu,
-        token_budget=settings.ppo_max_token_len_per_gpu if settings.use_dynamic_bsz else None,
-        grad_clip=settings.grad_clip,
-        prefix="critic",
-        loss_scale_factor=settings.loss_scale_factor,
-    )
-
-
-def critic_settings(cfg) -> SimpleNamespace:
-    """The ``critic`` config section with every null (inherit-from-actor) field resolved from the actor's."""
-    c, a = cfg.critic, cfg.actor_rollout_ref.actor
-    settings = SimpleNamespace(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})
-    for name in ("ppo_mini_batch_size", "ppo_epochs", "loss_agg_mode", "use_dynamic_bsz"):
-        if getattr(settings, name) is None:
-            setattr(settings, name, getattr(a, name))
-    if settings.loss_scale_factor is None:
-        settings.loss_scale_factor = loss_scale_factor(cfg)
-    return settings
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:

@@ -23,19 +23,22 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos.groups import num_groups
-from tearless.config import Config
-from tearless.config.derived import on_policy
-from tearless.rollout.agent import agent_metrics
+from tearless.config.plan import RunPlan
 from tearless.rollout.batch import Rollout
 from tearless.rollout.engine import concat_rollouts
-from tearless.workers.actor import policy_update
+from tearless.rollout.multiturn import agent_metrics
+from tearless.workers.actor import skips_zero_adv_rows
 from tearless.workers.rank import Rank, RankMethod
 from tearless.workers.schedule import (
+    UpdateFlags,
     UpdateSettings,
     balanced_partition,
+    combined_metrics,
     count_micro_batches,
+    plan_updates,
+    rank_work,
     row_tokens,
-    scheduled_update,
+    skipped_rows_metrics,
 )
 from tearless.workers.scoring import reward_metrics
 from tearless.workers.spec import RankSpec, role_settings
@@ -55,7 +58,7 @@ class WorkerGroup:
     ones that generate (``rollout``). In the hybrid placement one pool holds every role and
     generates. Subclasses say how a call reaches a pool's ranks."""
 
-    cfg: Config
+    plan: RunPlan  # the run's derived facts and the config's sections (tearless.config.plan), the spec's
     pad_token_id: int
     device: str  # where the training ranks compute: trainer.device as the ranks resolved it
     settings: dict[str, UpdateSettings]  # the trained roles' update settings (spec.role_settings)
@@ -102,13 +105,16 @@ class WorkerGroup:
         keys: list[int] | None,
         max_new_tokens: int,
         version: int = 0,
+        rule_scored: bool = False,
         **sampling: Any,
     ) -> Rollout:
         """``n`` scored responses per prompt; each generating rank takes a consecutive share.
-        ``version`` is the policy version the ranks hold (recorded per token, ``token_versions``)."""
+        ``version`` is the policy version the ranks hold (recorded per token, ``token_versions``);
+        ``rule_scored``: scored by the rule scorers alone, not a reward model or judge (validation)."""
         pending = self.submit_generate(
-            prompts, n=n, keys=keys, max_new_tokens=max_new_tokens, version=version, **sampling
-        )
+            prompts, n=n, keys=keys, max_new_tokens=max_new_tokens, version=version, rule_scored=rule_scored,
+            **sampling,
+        )  # fmt: skip
         return self.wait_generate(pending)
 
     def submit_generate(
@@ -119,6 +125,7 @@ class WorkerGroup:
         keys: list[int] | None,
         max_new_tokens: int,
         version: int = 0,
+        rule_scored: bool = False,
         **sampling: Any,
     ) -> tuple[list[dict], int, Any]:
         """Start :meth:`generate` without waiting for it (the asynchronous loop); the generating ranks
@@ -128,7 +135,9 @@ class WorkerGroup:
         args = []
         for piece in pieces:
             share_keys = None if keys is None else [keys[i] for i in piece]
-            args.append(([prompts[i] for i in piece], n, share_keys, max_new_tokens, sampling, version))
+            args.append(
+                ([prompts[i] for i in piece], n, share_keys, max_new_tokens, sampling, version, rule_scored)
+            )
         return prompts, n, self._submit("rollout", Rank.generate_share, args, "generation")
 
     def wait_generate(self, pending: tuple[list[dict], int, Any]) -> Rollout:
@@ -191,10 +200,11 @@ class WorkerGroup:
     def compute_log_prob(
         self, role: str, td: TensorDict, *, with_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(B, R) log-probs of ``td``'s responses under ``role`` (``actor`` or ``ref``), and
-        entropies when asked."""
-        arr = self.cfg.actor_rollout_ref
-        size = (arr.rollout if role == "actor" else arr.ref).log_prob_micro_batch_size_per_gpu
+        """(B, R) log-probs of ``td``'s responses under ``role`` (``actor``, ``ref`` or ``teacher``),
+        and entropies when asked."""
+        sections = self.plan.sections
+        section = sections.rollout if role == "actor" else getattr(sections, role)
+        size = section.log_prob_micro_batch_size_per_gpu
         parts, num_micro = self._split(td, size, self.world_of(role))
         args = [(role, td[p or [0]], num_micro, with_entropy) for p in parts]
         results = self._call(role, Rank.compute_log_prob, args, f"{role} log-probs")
@@ -205,45 +215,57 @@ class WorkerGroup:
     def compute_values(self, td: TensorDict) -> torch.Tensor:
         """(B, R) critic values of ``td``'s response positions, zero outside the loss mask."""
         parts, num_micro = self._split(
-            td, self.cfg.critic.forward_micro_batch_size_per_gpu, self.world_of("critic")
+            td, self.plan.sections.critic.forward_micro_batch_size_per_gpu, self.world_of("critic")
         )
         args = [(td[p or [0]], num_micro) for p in parts]
         results = self._call("critic", Rank.compute_values, args, "critic values")
         return self._gather(td, parts, results)
 
     # ------------------------------------------------------------------ updates
-    def _run(self, role: str, detached: bool):
-        def run(work):
-            args = [(role, rows, steps, detached) for rows, steps in work]
-            return self._call(role, Rank.update, args, f"{role} update")
-
-        return run
-
     def update_policy(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
-        """The actor's PPO epochs over ``td`` on every training rank; averaged metrics."""
-        arr = self.cfg.actor_rollout_ref
+        """The actor's PPO epochs over ``td`` on every training rank; averaged metrics.
+
+        Plans the optimizer steps (:func:`~tearless.workers.schedule.plan_updates`); on-policy, rows
+        whose advantages are all zero are left out where their gradient is exactly zero
+        (:func:`~tearless.workers.actor.skips_zero_adv_rows`), their entropy metric the sampler's
+        (``rollout_entropy``) or, without it and with ``calculate_entropy``, the policy's before the
+        update (:meth:`compute_log_prob`); then each rank runs its share (``Rank.update``)."""
+        actor = self.plan.sections.actor
+        prompts = num_groups(td["uid_index"])
+        world = self.world_of("actor")
+        on_policy = self.plan.on_policy(prompts)
+        skip = None
+        if skips_zero_adv_rows(actor, on_policy):
+            skip = ~((td["advantages"] * td["response_mask"]) != 0).any(-1)
+        plans = plan_updates(td, self.settings["actor"], world, generator=generator, skip_rows=skip)
+        work = rank_work(td, plans, world)
+        metrics: dict[str, float] = {}
+        if skip is not None:
+            entropies = [self._entropy_before_update(td[p.skipped]) if p.skipped else None for p in plans]
+            metrics = skipped_rows_metrics(td, plans, actor.loss_agg_mode, entropies)
         # bypass_mode: π_old is the rollout's, so the ratio is not 1 even on-policy.
-        bypass = self.cfg.algorithm.rollout_correction.bypass_mode
-        detached = on_policy(arr.actor, num_groups(td["uid_index"])) and not bypass
-        return policy_update(
-            arr.actor,
-            self.settings["actor"],
-            td,
-            self.world_of("actor"),
-            self._run("actor", detached),
-            generator=generator,
-            entropy_of=lambda rows: self.compute_log_prob("actor", rows, with_entropy=True)[1],
-        )
+        flags = UpdateFlags(detached=on_policy and not self.plan.sections.rollout_correction.bypass_mode)
+        args = [("actor", rows, steps, flags) for rows, steps in work]
+        out = combined_metrics(self._call("actor", Rank.update, args, "actor update"), metrics)
+        if actor.use_kl_loss:
+            out["actor/kl_coef"] = actor.kl_loss_coef
+        return out
+
+    def _entropy_before_update(self, rows: TensorDict) -> torch.Tensor | None:
+        """(b, R) entropies of ``rows`` under the policy that sampled them: the sampler's, else the
+        actor's (with ``calculate_entropy``), else None (no metric, as for the rows the update runs)."""
+        if "rollout_entropy" in rows.keys():
+            return rows["rollout_entropy"]
+        if self.plan.sections.actor.calculate_entropy:
+            return self.compute_log_prob("actor", rows, with_entropy=True)[1]
+        return None
 
     def update_critic(self, td: TensorDict, *, generator: torch.Generator | None = None) -> dict[str, float]:
         """The critic's epochs over ``td`` (needs ``values`` and ``returns``); averaged metrics."""
-        return scheduled_update(
-            td,
-            self.settings["critic"],
-            self.world_of("critic"),
-            self._run("critic", False),
-            generator=generator,
-        )
+        world = self.world_of("critic")
+        plans = plan_updates(td, self.settings["critic"], world, generator=generator)
+        args = [("critic", rows, steps, UpdateFlags()) for rows, steps in rank_work(td, plans, world)]
+        return combined_metrics(self._call("critic", Rank.update, args, "critic update"), {})
 
     # ------------------------------------------------------------------ state
     def save(self, directory: str) -> dict[str, Any]:
@@ -259,9 +281,10 @@ class WorkerGroup:
         for pool in self.trained_pools():
             self._call(pool, Rank.load, [(directory, state)] * self.world_of(pool), "resume")
 
-    def probe_sync(self, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The sync probe (:mod:`tearless.rollout.sync_probe`): the actor's log-probs of ``ids[1:]``
-        and each generating rank's engine's (ranks whose engine is the trained model give none)."""
+    def probe_sync(self, ids: list[int]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, str | None]]]:
+        """The sync checks: the actor's log-probs of ``ids[1:]`` (:mod:`tearless.rollout.sync_probe`),
+        and each generating rank's engine's, with its weight checksum's fault
+        (:mod:`tearless.rollout.weight_checksum`); ranks whose engine is the trained model give none."""
         policy = self._call("actor", Rank.probe_policy, [(ids,)] * self.world_of("actor"), "sync probe")[0]
         engines = self._call("rollout", Rank.probe_engine, [(ids,)] * self.world_of("rollout"), "sync probe")
         return policy, [e for e in engines if e is not None]
@@ -272,20 +295,13 @@ class WorkerGroup:
         for pool in self.trained_pools():
             self._call(pool, Rank.check_weights, [(step, probe)] * self.world_of(pool), "weight check")
 
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far (non-finite loss or gradient norm), all trained roles."""
-        return sum(
-            self._call(pool, Rank.skipped_steps, [()] * self.world_of(pool), "skipped-step count")[0]
-            for pool in self.trained_pools()
-        )
-
 
 class LocalWorkers(WorkerGroup):
     """Everything in this process: one rank that trains and generates (world size 1)."""
 
     def __init__(self, spec: RankSpec, pad_token_id: int) -> None:
-        self.cfg, self.pad_token_id = spec.cfg, pad_token_id
-        self.settings = role_settings(spec.cfg)
+        self.plan, self.pad_token_id = spec.plan, pad_token_id
+        self.settings = role_settings(spec)
         self.rank = Rank(0, 1, spec)
         try:
             self.rank.setup()

@@ -7,7 +7,7 @@ never sees a rank; it talks to the group (:mod:`tearless.workers.group`).
 
 What a rank holds depends on the placement:
 
-- ``roles``: the trained and forward-only models it shards (``actor``, ``ref``, ``critic``);
+- ``roles``: the trained and forward-only models it shards (``actor``, ``ref``, ``teacher``, ``critic``);
 - ``rollout``: a rollout engine, the reward manager and the multi-turn agent loop. In the hybrid
   (colocated) placement a training rank is also a rollout rank: the built-in engine samples from the
   very weights it trains (gathered from their shards for the rollout, no copy), a vLLM engine sleeps
@@ -23,7 +23,6 @@ weights; on GPU, forward and backward run in ``fsdp_config.param_dtype`` (bf16 b
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import socket
@@ -49,15 +48,17 @@ from tearless.distributed.fsdp import (
 from tearless.distributed.weight_sync import WeightBroadcast
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tearless.models.logprobs import response_logprobs
-from tearless.models.precision import configure_cuda
+from tearless.models.precision import configure_cuda, forward_only, set_compute_dtype
 from tearless.models.weights import hf_weights, save_model
 from tearless.run import guards
 from tearless.run.timer import Timer
 from tearless.workers.actor import Actor, AdapterOffLogProbWorker, LogProbWorker
-from tearless.workers.build import ModelBuilder, build_rollout, rollout_dtype
-from tearless.workers.critic import Critic, critic_settings
+from tearless.workers.build import ModelBuilder, build_rollout, rule_reward_manager
+from tearless.workers.critic import Critic
 from tearless.workers.optim_state import load_optimizer, save_optimizer
 from tearless.workers.schedule import (
+    UpdateFlags,
+    UpdateSettings,
     all_ranks_agree,
     micro_batches,
     pad_micro_batches,
@@ -66,7 +67,7 @@ from tearless.workers.schedule import (
 from tearless.workers.scoring import score_responses
 from tearless.workers.spec import RankSpec, resolve_device, role_settings
 
-ROLES = ("actor", "ref", "critic")
+ROLES = ("actor", "ref", "teacher", "critic")
 TRAINED = ("actor", "critic")
 # A call to a rank is one of Rank's methods, passed as ``Rank.update`` (never its name as a string): a
 # worker group calls it on its rank in this process, or by name on a Ray actor (ray_group.Pool.submit).
@@ -80,10 +81,11 @@ class Rank:
     def __init__(self, rank: int, world: int, spec: RankSpec) -> None:
         self.rank, self.world, self.spec = rank, world, spec
         # Before any role is built: the losses its modules register (a Ray rank is another process).
-        import_external_libs(spec.cfg)
+        import_external_libs(spec.sections.model)
         self.roles: dict[str, Any] = {}
         self.engine: Any = None
         self.reward: Any = None
+        self.rule_reward: Any = None  # validation's rule scorers beside a reward model or judge
         self.agent: Any = None
         self.weight_sync: Any = None
         self.separate_engine = False
@@ -121,84 +123,119 @@ class Rank:
     def setup(self, init_method: str | None = None) -> None:
         """Join the process group (world > 1, or a one-rank group for a GPU process that offloads),
         then build the models, the engine and the scorers."""
-        cfg, spec = self.spec.cfg, self.spec
-        t, arr = cfg.trainer, cfg.actor_rollout_ref
-        configure_cpu(t.num_threads, t.keep_freed_memory)
-        torch.manual_seed(t.seed)
-        random.seed(t.seed)
-        # trainer.device=auto is decided here, in the rank's own process, not by the driver.
-        spec = self.spec = dataclasses.replace(spec, device=resolve_device(spec.device))
-        self.device = torch.device(spec.device)
-        if self.device.type == "cuda":
-            configure_cuda()
-        self.mesh = None
-        # FSDP2 shards the models of a group of ranks, and those of one GPU process that offloads a
-        # role's parameters or optimizer state to CPU memory (FSDP2's offload, over a one-rank group).
-        offload = self.device.type == "cuda" and any(
-            f.param_offload or f.optimizer_offload
-            for f in (arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic.model.fsdp_config)
-        )
-        self.owns_group = False
-        if self.world > 1 or spec.sharded or offload:
-            import torch.distributed as dist
-            from torch.distributed.device_mesh import init_device_mesh
-
-            if self.device.type == "cuda":
-                torch.cuda.set_device(0)  # Ray gives each worker one GPU, visible as device 0
-            dist.init_process_group(
-                process_group_backend(self.device.type),
-                init_method=init_method or self.address(),
-                rank=self.rank,
-                world_size=self.world,
-                timeout=timedelta(seconds=t.worker_timeout_s),
-            )
-            self.owns_group = True
-            self.mesh = init_device_mesh(self.device.type, (self.world,))
-        tok = arr.model.tokenizer_path or spec.model_path
-        self.tokenizer = load_tokenizer(tok)
+        self._start_process()
+        self._join_group(init_method)
+        spec = self.spec
+        self.tokenizer = load_tokenizer(spec.sections.model.tokenizer_path or spec.model_path)
         self.models = ModelBuilder(spec, self.rank, self.world, self.mesh, self.device)
-        settings = role_settings(cfg)
+        settings = role_settings(spec)
         if "actor" in spec.roles:
-            self.roles["actor"] = Actor(
-                self.models.causal_lm("actor", trained=True),
-                arr.actor,
-                settings=settings["actor"],
-                temperature=arr.rollout.temperature,
-                total_steps=spec.total_steps,
-                log_prob_micro_batch_size=arr.rollout.log_prob_micro_batch_size_per_gpu,
-                share_prompts=arr.model.share_prompt_forward,
-                remove_padding=arr.model.use_remove_padding,
-                fused_kernels=arr.model.use_fused_kernels,
-            )
-        if "ref" in spec.roles:
-            ref_kw = dict(
-                temperature=arr.rollout.temperature,
-                micro_batch_size=arr.ref.log_prob_micro_batch_size_per_gpu,
-                share_prompts=arr.model.share_prompt_forward,
-                remove_padding=arr.model.use_remove_padding,
-                fused_kernels=arr.model.use_fused_kernels,
-            )
-            if arr.model.lora_rank > 0:  # the actor's model with its adapters off
-                self.roles["ref"] = AdapterOffLogProbWorker(self.roles["actor"].model, **ref_kw)
-            else:
-                self.roles["ref"] = LogProbWorker(self.models.causal_lm("ref", trained=False), **ref_kw)
+            self._build_actor(settings["actor"])
+        self._build_forward_only()
         if "critic" in spec.roles:
             self.roles["critic"] = Critic(
                 self.models.value_model(),
-                critic_settings(cfg),
+                spec.plan.critic_section,
                 settings=settings["critic"],
                 total_steps=spec.total_steps,
-                remove_padding=cfg.critic.model.use_remove_padding,
+                remove_padding=spec.sections.critic.model.use_remove_padding,
             )
         for role in TRAINED:
             if role in self.roles and self._optimizer_offloaded(role):
                 move_optimizer_state(self.roles[role].optimizer, "cpu")
         if spec.rollout:
-            trained = self.roles["actor"].model if "actor" in self.roles else None
+            # The engine samples from the trained actor (hybrid), from a policy the spec holds without
+            # training it (tearless eval), or from a copy of its own (a separate rollout rank).
+            held = "actor" in self.roles
+            trained = self.roles["actor"].model if held else spec.models.get("actor")
             self.engine, self.reward, self.agent = build_rollout(spec, self.tokenizer, self.device, trained)
             # An engine holding its own copy of the policy beside the trained one (vLLM in the hybrid
             # placement) takes the new weights after every update.
-            self.separate_engine = trained is not None and self.engine.capabilities.holds_own_weights
+            self.separate_engine = held and self.engine.capabilities.holds_own_weights
+
+    def _start_process(self) -> None:
+        """This process's threads, seeds and device: ``trainer.device=auto`` is decided here, in the
+        rank's own process, not by the driver (the spec keeps the resolved name)."""
+        t = self.spec.sections.trainer
+        configure_cpu(t.num_threads, t.keep_freed_memory)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+        self.spec = self.spec.replaced(device=resolve_device(self.spec.device))
+        self.device = torch.device(self.spec.device)
+        if self.device.type == "cuda":
+            configure_cuda()
+
+    def _join_group(self, init_method: str | None) -> None:
+        """Join the ranks' ``torch.distributed`` group and make their device mesh (``self.mesh``, None
+        for a plain world-size-1 rank). FSDP2 shards the models of a group of ranks, and those of one
+        GPU process that offloads a role's parameters or optimizer state to CPU memory (FSDP2's
+        offload, over a one-rank group)."""
+        spec = self.spec
+        self.mesh = None
+        offload = self.device.type == "cuda" and any(
+            f.param_offload or f.optimizer_offload for f in map(spec.sections.fsdp, ROLES)
+        )
+        self.owns_group = False
+        if not (self.world > 1 or spec.sharded or offload):
+            return
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)  # Ray gives each worker one GPU, visible as device 0
+        dist.init_process_group(
+            process_group_backend(self.device.type),
+            init_method=init_method or self.address(),
+            rank=self.rank,
+            world_size=self.world,
+            timeout=timedelta(seconds=spec.sections.trainer.worker_timeout_s),
+        )
+        self.owns_group = True
+        self.mesh = init_device_mesh(self.device.type, (self.world,))
+
+    def _forward_settings(self) -> dict[str, Any]:
+        """The settings every log-prob forward shares (the actor's, the reference's, the teacher's);
+        each role adds its own micro-batch size."""
+        sections = self.spec.sections
+        return dict(
+            temperature=sections.rollout.temperature,
+            share_prompts=sections.model.share_prompt_forward,
+            remove_padding=sections.model.use_remove_padding,
+            fused_kernels=sections.model.use_fused_kernels,
+        )
+
+    def _build_actor(self, settings: UpdateSettings) -> None:
+        """The trained policy: its model, optimizer and schedule."""
+        sections = self.spec.sections
+        self.roles["actor"] = Actor(
+            self.models.causal_lm("actor", trained=True),
+            sections.actor,
+            settings=settings,
+            total_steps=self.spec.total_steps,
+            log_prob_micro_batch_size=sections.rollout.log_prob_micro_batch_size_per_gpu,
+            **self._forward_settings(),
+        )
+
+    def _build_forward_only(self) -> None:
+        """The forward-only roles this rank holds: the reference (the LoRA actor's model with its
+        adapters off, else its own frozen copy) and the teacher (the reference's forward over the
+        teacher's own weights)."""
+        spec, sections = self.spec, self.spec.sections
+        forward_kw = dict(
+            self._forward_settings(), entropy_chunking=sections.actor.entropy_from_logits_with_chunking
+        )
+        if "ref" in spec.roles:
+            ref_kw = dict(forward_kw, micro_batch_size=sections.ref.log_prob_micro_batch_size_per_gpu)
+            if sections.model.lora_rank > 0:
+                self.roles["ref"] = AdapterOffLogProbWorker(self.roles["actor"].model, **ref_kw)
+            else:
+                self.roles["ref"] = LogProbWorker(self.models.causal_lm("ref", trained=False), **ref_kw)
+        if "teacher" in spec.roles:
+            self.roles["teacher"] = LogProbWorker(
+                self.models.causal_lm("teacher", trained=False),
+                micro_batch_size=sections.teacher.log_prob_micro_batch_size_per_gpu,
+                **forward_kw,
+            )
 
     # ------------------------------------------------------------------ rollout
     def _rollout_weights(self):
@@ -218,6 +255,7 @@ class Rank:
         max_new_tokens: int,
         sampling: dict[str, Any],
         version: int = 0,
+        rule_scored: bool = False,
     ) -> dict[str, Any] | None:
         """``n`` responses per prompt, scored: the rollout, per-response agent info (multi-turn), the
         scores (:func:`~tearless.workers.scoring.score_responses`) and the seconds of each part. A rank
@@ -241,7 +279,7 @@ class Rank:
             else:
                 ids = [p["input_ids"] for p in prompts]
                 extra["version"] = version if self.held_version is None else self.held_version
-                if self.weight_sync is not None and self.spec.cfg.async_training.partial_rollout:
+                if self.weight_sync is not None and self.spec.sections.async_training.partial_rollout:
                     extra["between_tokens"] = self.take_new_weights
                 out = self.engine.generate(
                     ids, n=n, max_new_tokens=max_new_tokens, keys=keys, **sampling, **extra
@@ -249,15 +287,23 @@ class Rank:
                 info = None
         items = [p for p in prompts for _ in range(n)]
         with timer("reward"):
-            if getattr(self.agent, "owns_reward", False):  # environments and agent programs score
+            if self.agent is not None and self.agent.owns_reward:  # a RewardingLoop: envs, agent programs
                 scored = self.agent.score(self.tokenizer, out, info)
             else:
-                scored = score_responses(self.tokenizer, self.reward, items, out)
+                reward = self._rule_reward() if rule_scored else self.reward
+                scored = score_responses(self.tokenizer, reward, items, out)
         self._busy_until_now()
         seconds = {**timer.seconds, "gen_idle": idle}
         if "between_tokens" in extra:
             seconds["weight_swap"], self._swap_seconds = self._swap_seconds, 0.0
         return {"out": out, "info": info, **scored, "seconds": seconds, "pid": os.getpid()}
+
+    def _rule_reward(self) -> Any:
+        """The rule scorers alone (built at the first call, kept): what validation scores with when the
+        training reward is a reward model or a judge (:func:`~tearless.workers.build.rule_reward_manager`)."""
+        if self.rule_reward is None:
+            self.rule_reward = rule_reward_manager(self.spec, self.device)
+        return self.rule_reward
 
     def _idle(self) -> float:
         """Seconds a rollout-only rank sat without work since its last call (0 for other ranks,
@@ -270,10 +316,13 @@ class Rank:
         self._idle_since = time.perf_counter()
 
     # ------------------------------------------------------------------ forward-only passes
-    def _forward_mode(self):
+    def _forward_mode(self, model: torch.nn.Module):
         # FSDP's all-gathers allocate parameters that later training passes reuse; inference-mode
-        # tensors cannot take part in autograd, so sharded models use no_grad.
-        return torch.no_grad() if self.mesh is not None else torch.inference_mode()
+        # tensors cannot take part in autograd, so sharded models use no_grad. A model under CPU bf16
+        # autocast too: its weights' casts are then made once per forward, not once per matmul.
+        if self.mesh is not None:
+            return torch.no_grad()
+        return forward_only(self.device, getattr(model, "tearless_compute_dtype", None))
 
     def compute_log_prob(
         self, role: str, td: TensorDict, num_micro: int, with_entropy: bool = False
@@ -286,7 +335,7 @@ class Rank:
         worker.model.eval()
         outs, ents = [], []
         try:
-            with self._forward_mode(), worker.forward_context():
+            with self._forward_mode(worker.model), worker.forward_context():
                 for mb in pad_micro_batches(chunks, num_micro):
                     lp, ent = worker.forward(mb, with_entropy=with_entropy)
                     outs.append(lp.cpu())
@@ -305,7 +354,7 @@ class Rank:
         critic.model.eval()
         outs = []
         try:
-            with self._forward_mode():
+            with self._forward_mode(critic.model):
                 for mb in pad_micro_batches(chunks, num_micro):
                     outs.append(critic.values(mb).cpu() * mb["response_mask"])
         finally:
@@ -314,32 +363,44 @@ class Rank:
 
     # ------------------------------------------------------------------ updates
     def update(
-        self, role: str, td: TensorDict, steps: list[tuple], detached: bool = False
+        self, role: str, td: TensorDict, steps: list[tuple], flags: UpdateFlags
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """Run this rank's share of a role's planned optimizer steps (:func:`run_plan`) with the
-        role's loss and settings (``detached``: the actor's π_old is its detached π_θ); after the
-        actor's, a separate engine in this process takes the new weights."""
-        cfg = self.spec.cfg
+        """Run this rank's share of a role's planned optimizer steps (:func:`run_plan`: the role's
+        ``micro_loss`` reads ``flags``, its settings are its own); after the actor's, a separate
+        engine in this process takes the new weights."""
         unit = self.roles[role]
-        if role == "actor":
-
-            def loss_fn(mb, norm):
-                return unit.micro_loss(mb, norm, detached)
-        else:
-            loss_fn = unit.micro_loss
         offload = self._optimizer_offloaded(role)
         if offload:
             move_optimizer_state(unit.optimizer, self.device)
-        additive, shared = run_plan(unit, td, steps, unit.settings, loss_fn, world=self.world)
+        additive, shared = run_plan(unit, td, steps, flags, world=self.world)
         if offload:
             move_optimizer_state(unit.optimizer, "cpu")
         if role == "actor" and self.separate_engine:
             start = time.perf_counter()
-            self.engine.load_weights(
-                hf_weights(unit.model, resolve_dtype(rollout_dtype(cfg, self.spec.device)))
-            )
+            shared["rollout/engine_sync_mb"] = self._sync_engine(unit.model) / 2**20
             shared["timing_s/engine_load_weights"] = time.perf_counter() - start
         return additive, shared
+
+    def _sync_engine(self, model: torch.nn.Module) -> int:
+        """Give this rank's separate engine the policy; return the bytes sent: the LoRA adapter alone
+        (a PEFT directory the engine serves through its LoRA support) when it takes adapters, else
+        every merged weight in the rollout dtype."""
+        if getattr(self.engine, "adapters", False):
+            path = self.engine.adapter_dir()
+            save_model(model, path, write=True)  # every rank: each serves its own engine
+            self.engine.use_adapter(path)
+            return sum(f.stat().st_size for f in Path(path).iterdir())
+        sent = 0
+
+        def counted(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal sent
+            for name, tensor in weights:
+                sent += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        dtype = resolve_dtype(self.spec.plan.rollout_dtype(self.spec.device))
+        self.engine.load_weights(counted(hf_weights(model, dtype)))
+        return sent
 
     def _optimizer_offloaded(self, role: str) -> bool:
         """Whether ``role``'s optimizer state lives in CPU memory between updates and visits the GPU
@@ -352,9 +413,7 @@ class Rank:
     # ------------------------------------------------------------------ weights for separate engines
     def sync_engine(self) -> None:
         """Load the trained policy into this rank's separate engine (vLLM), e.g. before the first step."""
-        actor = self.roles["actor"]
-        dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
-        self.engine.load_weights(hf_weights(actor.model, dtype))
+        self._sync_engine(self.roles["actor"].model)
 
     def probe_policy(self, ids: list[int]) -> torch.Tensor:
         """The actor's teacher-forced log-probs of ``ids[1:]`` at temperature 1, for the sync probe
@@ -363,18 +422,27 @@ class Rank:
         row = torch.tensor([ids], dtype=torch.long)
         mask = torch.ones_like(row)
         was_training = model.training
+        # The probe checks the weights the engine holds, so the trainer's side computes in the engine's
+        # dtype: a model marked to compute in bf16 under autocast (param_dtype=auto on a CPU with native
+        # bf16) against a float32 engine differed by 0.145 on SmolLM2 and stopped every such run.
+        marked = getattr(model, "tearless_compute_dtype", None)
+        if marked is not None:
+            set_compute_dtype(model, resolve_dtype(self.spec.plan.rollout_dtype(self.spec.device)))
         model.eval()
         try:
-            with self._forward_mode():
+            with self._forward_mode(model):
                 lp, _ = response_logprobs(model, row[:, :1], mask[:, :1], row[:, 1:], mask[:, 1:])
         finally:
             model.train(was_training)
+            if marked is not None:
+                set_compute_dtype(model, marked)
         return lp[0].float().cpu().clone()
 
-    def probe_engine(self, ids: list[int]) -> torch.Tensor | None:
-        """The engine's log-probs of ``ids[1:]`` (None for the built-in engine: no separate copy)."""
+    def probe_engine(self, ids: list[int]) -> tuple[torch.Tensor, str | None] | None:
+        """The engine's log-probs of ``ids[1:]`` and its weight checksum's fault (None: the sampled
+        weights equal what was sent); None for the built-in engine (no separate copy)."""
         probe = getattr(self.engine, "probe_logprobs", None)
-        return None if probe is None else probe(ids)
+        return None if probe is None else (probe(ids), self.engine.weight_fault())
 
     def open_weight_sync(self, address: str, sync_rank: int, sync_world: int) -> None:
         """Join the weight-broadcast group of the split placement: training rank 0 (sync rank 0) and
@@ -384,7 +452,7 @@ class Rank:
             sync_rank,
             sync_world,
             device=self.device,
-            timeout_s=self.spec.cfg.trainer.worker_timeout_s,
+            timeout_s=self.spec.sections.trainer.worker_timeout_s,
         )
 
     def send_weights(self, version: int | None = None) -> None:
@@ -392,7 +460,7 @@ class Rank:
         announces the broadcast and sends it to the rollout ranks."""
         if self.weight_sync is not None:
             self.weight_sync.announce(version)
-        dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
+        dtype = resolve_dtype(self.spec.plan.rollout_dtype(self.spec.device))
         for _, tensor in hf_weights(self.roles["actor"].model, dtype):
             if self.weight_sync is not None:
                 self.weight_sync.broadcast(tensor.to(self.device).contiguous())
@@ -436,7 +504,7 @@ class Rank:
         self.held_version = self.weight_sync.version_of(self.broadcasts)
 
     def _received(self) -> Iterator[tuple[str, torch.Tensor]]:
-        dtype = resolve_dtype(rollout_dtype(self.spec.cfg, self.spec.device))
+        dtype = resolve_dtype(self.spec.plan.rollout_dtype(self.spec.device))
         skeleton = load_causal_lm(self.spec.model_path, dtype="float32", meta=True)
         for name, like in skeleton.state_dict().items():
             yield name, self.weight_sync.broadcast(torch.empty(like.shape, dtype=dtype, device=self.device))
@@ -449,7 +517,7 @@ class Rank:
         directory = Path(directory)
         write = self.rank == 0
         state: dict[str, Any] = {}
-        m = self.spec.cfg.actor_rollout_ref.model
+        m = self.spec.sections.model
         for role in TRAINED:
             if role not in self.roles:
                 continue
@@ -463,7 +531,7 @@ class Rank:
 
     def load(self, directory: str, state: dict[str, Any]) -> None:
         """Restore the trained roles' optimizer state (any saving placement) and schedules."""
-        cfg = self.spec.cfg
+        sections = self.spec.sections
         for role in TRAINED:
             if role not in self.roles:
                 continue
@@ -472,31 +540,37 @@ class Rank:
             unit.scheduler.load_state_dict(state[role]["scheduler"])
             unit.skipped_steps = int(state[role]["skipped_steps"])
             # Settings that resume was allowed to change (trainer.resume_allow_changes) take effect.
-            optim = cfg.critic.optim if role == "critic" else cfg.actor_rollout_ref.actor.optim
-            resume_compat.apply_config({role: (unit.optimizer, unit.scheduler, optim)}, None, cfg)
+            optim = sections.critic.optim if role == "critic" else sections.actor.optim
+            resume_compat.apply_config({role: (unit.optimizer, unit.scheduler, optim)})
 
     def check_weights(self, step: int, probe: tuple[torch.Tensor, torch.Tensor]) -> None:
         """The bad-step guard's weight check (:func:`tearless.run.guards.check_weights`) on the
         trained roles this rank holds, agreed by all ranks."""
         actor, critic = self.roles.get("actor"), self.roles.get("critic")
+        sections = self.spec.sections
         guards.check_weights(
             step,
             actor.model if actor is not None else None,
             critic.model if critic is not None else None,
-            self.spec.cfg,
+            {"actor": sections.actor.optim.lr, "critic": sections.critic.optim.lr},
+            sections.trainer.default_local_dir,
             probe,
             agree=lambda ok: all_ranks_agree(ok, self.world),
         )
 
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped so far (non-finite), actor and critic together."""
-        return sum(self.roles[r].skipped_steps for r in TRAINED if r in self.roles)
-
     def close(self) -> None:
-        """Stop the reward processes and leave the process group this rank made (idempotent)."""
-        if self.reward is not None:
-            self.reward.close()
-            self.reward = None
+        """Stop the reward processes and the engine's own processes, close the weight broadcast and
+        leave the process group this rank made (idempotent)."""
+        close_engine = getattr(self.engine, "close", None)
+        if close_engine is not None:
+            close_engine()
+        for manager in (self.reward, self.rule_reward):
+            if manager is not None:
+                manager.close()
+        self.reward = self.rule_reward = None
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+            self.weight_sync = None
         if getattr(self, "owns_group", False):
             import torch.distributed as dist
 

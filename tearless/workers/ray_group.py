@@ -23,6 +23,7 @@ timeout).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import signal
 import threading
@@ -31,9 +32,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tearless.config import Config, to_dict
-from tearless.rollout.engine import engine_capabilities
-from tearless.workers import reaper
+from tearless import reaper
+from tearless.config import to_dict
+from tearless.config.schema import RayInitConfig
 from tearless.workers.group import WorkerGroup
 from tearless.workers.rank import Rank, RankMethod
 from tearless.workers.spec import RankSpec, role_settings
@@ -47,17 +48,21 @@ class WorkerError(RuntimeError):
     """A worker failed, died or did not answer in time; the message names it."""
 
 
-def ensure_ray(cfg: Config, num_workers: int) -> None:
-    """Join the cluster at ``ray_init.address`` (or ``RAY_ADDRESS``), or start a local one (no
-    dashboard) that counts at least ``num_cpus_per_worker`` CPUs per worker, so that the pools fit on
-    a small machine; ``ray_init.runtime_env`` applies to every worker of the run."""
+class RayStartError(RuntimeError):
+    """``ray.init`` did not return within ``ray_init.start_timeout_s``; the message says what to check."""
+
+
+def ensure_ray(ri: RayInitConfig, cpus_per_worker: int, num_workers: int) -> None:
+    """Join the cluster at ``ray_init.address`` (``ri``; or ``RAY_ADDRESS``), or start a local one (no
+    dashboard) that counts at least ``cpus_per_worker`` (``trainer.num_cpus_per_worker``) CPUs per
+    worker, so that the pools fit on a small machine; ``ray_init.runtime_env`` applies to every worker
+    of the run."""
     import os
 
     import ray
 
     if ray.is_initialized():
         return
-    ri = cfg.ray_init
     address = ri.address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
     runtime_env = to_dict(ri.runtime_env)
@@ -67,15 +72,68 @@ def ensure_ray(cfg: Config, num_workers: int) -> None:
     # printed a stack dump and exited -6 instead of reaching the CLI's clean stop (tearless.cli).
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     if address:
-        ray.init(address=address, **kwargs)
+        _bounded(lambda: ray.init(address=address, **kwargs), ri.start_timeout_s)
     else:
-        needed = num_workers * cfg.trainer.num_cpus_per_worker
-        ray.init(num_cpus=ri.num_cpus or max(os.cpu_count() or 1, needed), **kwargs)
+        needed = num_workers * cpus_per_worker
+        _bounded(
+            lambda: ray.init(num_cpus=ri.num_cpus or max(os.cpu_count() or 1, needed), **kwargs),
+            ri.start_timeout_s,
+        )
         reaper.start()  # the local cluster ends with this process, even after a SIGKILL
     if threading.current_thread() is threading.main_thread():
         for sig, handler in handlers.items():
             if callable(handler):
                 signal.signal(sig, handler)
+
+
+class _NoSigtermWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+_NO_SIGTERM_WARNING = _NoSigtermWarning()
+
+
+def _bounded(start: Any, timeout_s: float) -> None:
+    """Run ``start`` (``ray.init``) in a thread while this one waits at most ``timeout_s``.
+
+    When Ray's prestarted workers die during ``ray.init`` (the kernel's OOM killer), the driver waits
+    in Ray's C++ ``CoreWorker`` constructor without end or word; a signal handler of the interpreter
+    runs only in the main thread between bytecodes, so there a SIGTERM waited too (or reached Ray's
+    C++ handler: a stack dump). Here the main thread polls the starting thread (which releases the
+    GIL while it waits), so a signal stops the command at once, in one line, and a start past the
+    bound raises :class:`RayStartError` naming Ray's session logs. A start abandoned this way is left
+    to the process's exit (the thread is a daemon; the command's reaper ends what Ray had started).
+    """
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            start()
+        except BaseException as e:  # handed to the waiting thread, which raises it
+            outcome.append(e)
+            return
+        outcome.append(None)
+        # Ray's local cluster processes get a parent-death signal, which Linux ties to the thread
+        # that started them: this thread must live as long as the process, or the GCS dies with it.
+        threading.Event().wait()
+
+    # Ray says at every start from a thread that it set no SIGTERM handler: that is the point here.
+    logging.getLogger("ray._private.worker").addFilter(_NO_SIGTERM_WARNING)  # once: the same object
+    thread = threading.Thread(target=run, name="tearless-ray-init", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not outcome and time.monotonic() < deadline:
+        thread.join(_POLL_S)
+    if not outcome:
+        raise RayStartError(
+            f"Ray did not start within {timeout_s:g} s (ray_init.start_timeout_s): ray.init is waiting for "
+            "Ray's processes. Check Ray's session logs in /tmp/ray/session_latest/logs (raylet.out, "
+            "gcs_server.out, python-core-driver-*.log), whether the kernel's OOM killer ended Ray's "
+            "workers (dmesg), and ray_init.address; then rerun, or raise ray_init.start_timeout_s"
+        )
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 class Pool:
@@ -101,7 +159,7 @@ class Pool:
         # trainer.device=auto asks for GPUs when the cluster has them; each rank then resolves
         # auto in its own process (a CPU-only head node decides nothing for its workers).
         gpu = spec.device == "cuda" or (spec.device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-        cpus = spec.cfg.trainer.num_cpus_per_worker
+        cpus = spec.sections.trainer.num_cpus_per_worker
         per_node = -(-world // nodes)
         bundle = {"GPU": 1, "CPU": cpus} if gpu else {"CPU": cpus}
         for start in range(0, world, per_node):
@@ -217,21 +275,21 @@ class RayWorkers(WorkerGroup):
     """The pools of one run (see the module docstring)."""
 
     def __init__(self, spec: RankSpec, pad_token_id: int, *, run_dir: Path | None = None) -> None:
-        cfg = spec.cfg
-        t, rollout = cfg.trainer, cfg.actor_rollout_ref.rollout
-        self.cfg, self.pad_token_id = cfg, pad_token_id
-        self.settings = role_settings(cfg)
+        sections = spec.sections
+        t, rollout = sections.trainer, sections.rollout
+        self.plan, self.pad_token_id = spec.plan, pad_token_id
+        self.settings = role_settings(spec)
         world = t.nnodes * t.n_gpus_per_node
         split = rollout.nnodes * rollout.n_gpus_per_node
         roles = spec.roles
-        lora_ref = "ref" in roles and cfg.actor_rollout_ref.model.lora_rank > 0
+        lora_ref = "ref" in roles and sections.model.lora_rank > 0
         if t.colocate:
             layout = {"+".join(roles): roles}
         else:  # a pool per role, but a LoRA reference is the actor's model with its adapters off
             layout = {r: ("actor", "ref") if r == "actor" and lora_ref else (r,) for r in roles}
             if lora_ref:
                 del layout["ref"]
-        ensure_ray(cfg, world * len(layout) + split)
+        ensure_ray(sections.ray_init, t.num_cpus_per_worker, world * len(layout) + split)
         self.pools: dict[str, Pool] = {}
         self.pool_of: dict[str, str] = {}
         self.broadcasts = 0  # weight broadcasts sent to the rollout pool
@@ -239,7 +297,7 @@ class RayWorkers(WorkerGroup):
         try:
             for name, pool_roles in layout.items():
                 hybrid = "actor" in pool_roles and not split
-                pool_spec = RankSpec(**{**vars(spec), "roles": pool_roles, "rollout": hybrid})
+                pool_spec = spec.replaced(roles=pool_roles, rollout=hybrid)
                 pool = Pool(pool_spec, world, name=name, nodes=t.nnodes, timeout_s=t.worker_timeout_s)
                 self.pools[name] = pool
                 for role in pool_roles:
@@ -247,7 +305,7 @@ class RayWorkers(WorkerGroup):
                 if hybrid:
                     self.pool_of["rollout"] = name
             if split:
-                rollout_spec = RankSpec(**{**vars(spec), "roles": (), "rollout": True, "resume_dir": None})
+                rollout_spec = spec.replaced(roles=(), rollout=True, resume_dir=None)
                 self.pools["rollout"] = Pool(
                     rollout_spec,
                     split,
@@ -286,7 +344,7 @@ class RayWorkers(WorkerGroup):
             )
             wait_all(pending, "weight-sync setup", actor.timeout_s)
             self.sync_weights()
-        elif engine_capabilities(self.cfg.actor_rollout_ref.rollout.name).holds_own_weights:
+        elif self.plan.capabilities.holds_own_weights:
             actor.call(Rank.sync_engine, [()] * actor.world, "first weight load into the engines")
 
     def world_of(self, pool: str) -> int:
@@ -299,7 +357,7 @@ class RayWorkers(WorkerGroup):
         return self.pools[self.pool_of[pool]].submit(method, per_rank)
 
     def _wait(self, pending: Any, what: str) -> list[Any]:
-        results = wait_all(pending, what, self.cfg.trainer.worker_timeout_s)
+        results = wait_all(pending, what, self.plan.sections.trainer.worker_timeout_s)
         self._collect_receives()
         return results
 
@@ -325,7 +383,7 @@ class RayWorkers(WorkerGroup):
         self.broadcasts += 1
         pending = actor.submit(Rank.send_weights, [(version,)] * actor.world)
         receives = rollout.submit(Rank.receive_weights, [(self.broadcasts,)] * rollout.world)
-        if self.cfg.async_training.partial_rollout:
+        if self.plan.sections.async_training.partial_rollout:
             self.receives += receives
             wait_all(pending, "weight broadcast", actor.timeout_s)
             return 0.0

@@ -13,18 +13,22 @@ in each one, and a rank with fewer real micro-batches (or none) runs padding pas
 multiplied by zero. :func:`run_plan` is one rank's execution: zero-grad → micro-batches (loss × world
 size, since FSDP averages the ranks' gradients) → global gradient-norm clip → finite check agreed by
 every rank → step, or skip and count. A single process is the world-size-1 case of the same code.
+Per-step facts reach the ranks as plain data (:class:`UpdateFlags`), never as closures: a Ray rank is
+another process.
 
 On-policy rows whose advantages are all zero contribute exactly nothing to a loss linear in A_t;
 ``skip_rows`` leaves them out of the passes (their share of the normalisers kept), and
-:func:`skipped_rows_metrics` adds their entropy to the metrics from the sampler's own entropy.
+:func:`skipped_rows_metrics` adds their entropy to the metrics (the sampler's own entropy, or one
+the group computed before the update).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -149,6 +153,33 @@ class UpdateSettings:
     prefix: str
     loss_scale_factor: float | None = None
 
+    @classmethod
+    def of_section(
+        cls, section: Any, rollout_n: int, prefix: str, loss_scale_factor: float | None
+    ) -> UpdateSettings:
+        """The schedule's view of an actor section, or of the critic's resolved one (the plan's
+        ``critic_section``): mini-batches of ``ppo_mini_batch_size × rollout_n`` rows, a token budget
+        only with ``use_dynamic_bsz``; ``loss_scale_factor`` is seq-mean-token-sum-norm's constant S."""
+        return cls(
+            rows_per_mini=section.ppo_mini_batch_size * rollout_n,
+            epochs=section.ppo_epochs,
+            shuffle=section.shuffle,
+            micro_size=section.ppo_micro_batch_size_per_gpu,
+            token_budget=section.ppo_max_token_len_per_gpu if section.use_dynamic_bsz else None,
+            grad_clip=section.grad_clip,
+            prefix=prefix,
+            loss_scale_factor=loss_scale_factor,
+        )
+
+
+@dataclass(frozen=True)
+class UpdateFlags:
+    """The facts of one update that its losses read, plain data sent to every rank with its steps:
+    ``detached``, the actor's π_old is its own detached π_θ (on-policy, not bypass mode: the ratio is
+    exactly 1); the critic's loss reads none."""
+
+    detached: bool = False
+
 
 def plan_updates(
     td: TensorDict,
@@ -207,52 +238,47 @@ def skipped_rows_metrics(
     td: TensorDict,
     plans: list[MiniBatchPlan],
     loss_agg_mode: str,
-    entropy_of: Callable[[TensorDict], torch.Tensor],
+    entropies: list[torch.Tensor | None],
 ) -> dict[str, float]:
     """What the zero-advantage rows left out of the passes add to the actor's metrics, averaged over
     optimizer steps as :func:`run_plan` averages: the share of each mini-batch skipped, and the
     skipped rows' part of ``actor/entropy`` (normalised by their mini-batch's global counts).
-    ``entropy_of(rows)`` gives their (b, R) entropies: the sampler's when the batch has them."""
-    share, entropy = 0.0, 0.0
-    for p in plans:
+    ``entropies[j]`` is plan ``j``'s skipped rows' (b, R) entropies, or None when there are none to
+    report."""
+    share, entropy, known = 0.0, 0.0, True
+    for p, values in zip(plans, entropies, strict=True):
         share += len(p.skipped) / p.size
         if p.skipped:
+            if values is None:
+                known = False
+                continue
             idle = td[p.skipped]
-            entropy += float(agg_loss(entropy_of(idle), idle["response_mask"], loss_agg_mode, **p.norm))
+            entropy += float(agg_loss(values, idle["response_mask"], loss_agg_mode, **p.norm))
     count = max(1, len(plans))
     metrics = {"actor/zero_adv_rows_skipped": share / count}
-    if any(p.skipped for p in plans):
+    if known and any(p.skipped for p in plans):
         metrics["actor/entropy"] = entropy / count
     return metrics
 
 
-def scheduled_update(
-    td: TensorDict,
-    s: UpdateSettings,
-    world: int,
-    run_ranks: Callable[[list[tuple[TensorDict, list[tuple]]]], list[tuple[dict, dict]]],
-    *,
-    generator: torch.Generator | None = None,
-    skip_rows: torch.Tensor | None = None,
-    skip_metrics: Callable[[list[MiniBatchPlan]], dict[str, float]] | None = None,
-) -> dict[str, float]:
-    """One role's update of an RL step in any placement: plan (:func:`plan_updates`), hand each rank
-    its rows and steps (``run_ranks`` gets one ``(rows, steps)`` per rank and returns what
-    :func:`run_plan` returned on each), and combine: additive metrics summed over ranks, shared ones
-    from rank 0, plus ``skip_metrics(plans)`` for rows left out."""
-    plans = plan_updates(td, s, world, generator=generator, skip_rows=skip_rows)
+def rank_work(td: TensorDict, plans: list[MiniBatchPlan], world: int) -> list[tuple[TensorDict, list[tuple]]]:
+    """Each rank's rows of the step and its steps (:func:`rank_steps`), what :func:`run_plan` runs."""
     work = []
     for r in range(world):
         rows, steps = rank_steps(plans, r)
         work.append((td[rows], steps))
-    # Before the update: the skipped rows' metrics are those of the policy that sampled them.
-    metrics: dict[str, float] = defaultdict(float, skip_metrics(plans) if skip_metrics is not None else {})
-    results = run_ranks(work)
+    return work
+
+
+def combined_metrics(results: list[tuple[dict, dict]], metrics: dict[str, float]) -> dict[str, float]:
+    """The update's metrics from every rank's :func:`run_plan` result: ``metrics`` (the skipped rows'),
+    plus the additive ones summed over ranks, then the shared ones from rank 0."""
+    out: dict[str, float] = defaultdict(float, metrics)
     for additive, _ in results:
         for k, v in additive.items():
-            metrics[k] += v
-    metrics.update(results[0][1])
-    return dict(metrics)
+            out[k] += v
+    out.update(results[0][1])
+    return dict(out)
 
 
 def pad_micro_batches(chunks: list[TensorDict], count: int) -> list[TensorDict]:
@@ -272,55 +298,65 @@ def all_ranks_agree(flag: bool, world: int) -> bool:
 
 
 def run_plan(
-    unit,
+    role,
     td: TensorDict,
     steps: list[tuple],
-    s: UpdateSettings,
-    loss_fn: Callable[[TensorDict, dict], tuple[torch.Tensor, dict]],
+    flags: UpdateFlags,
     *,
     world: int = 1,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Run one rank's share (:func:`rank_steps`) of the planned optimizer steps on its rows ``td``.
 
-    ``unit`` holds ``model``, ``params``, ``optimizer``, ``scheduler`` and ``skipped_steps``;
-    ``loss_fn(mb, norm)`` returns a micro-batch's globally normalised loss and metrics. A step is
-    skipped (parameters, moments and step count untouched; ``skipped_steps`` + 1) when any rank's
-    loss or the global gradient norm is not finite: a NaN loss can come with a finite gradient from
-    a term that does not reach the parameters. The scheduler steps once per call. Returns (metrics
+    ``role`` (an :class:`~tearless.workers.actor.Actor` or :class:`~tearless.workers.critic.Critic`)
+    holds ``model``, ``params``, ``optimizer``, ``scheduler``, ``skipped_steps`` and its ``settings``;
+    ``role.micro_loss(mb, norm, flags)`` returns a micro-batch's globally normalised loss and metrics.
+    A step is skipped (parameters, moments and step count untouched; ``skipped_steps`` + 1) when any
+    rank's loss or the global gradient norm is not finite: a NaN loss can come with a finite gradient
+    from a term that does not reach the parameters. The scheduler steps once per call. Returns (metrics
     that add up over ranks, averaged over steps; metrics equal on every rank).
     """
-    unit.model.train()
-    sums: dict[str, float] = defaultdict(float)
-    grad_norms = 0.0
+    s = role.settings
+    role.model.train()
+    # Metrics stay on the device, summed in float64 (as Python floats would be, to the same bits), and
+    # are read once at the end: a read inside the micro-batch loop would stall a GPU every pass.
+    sums: dict[str, torch.Tensor] = {}
+    grad_norms: torch.Tensor | None = None
     for rows, padding, norm, num_micro in steps:
         mini = td[rows]
-        unit.optimizer.zero_grad(set_to_none=True)
+        role.optimizer.zero_grad(set_to_none=True)
         size = None if s.token_budget else s.micro_size
         chunks = micro_batches(mini, size=size, token_budget=s.token_budget)
         real = 0 if padding else len(chunks)
-        finite = True
+        finite = None
         for i, mb in enumerate(pad_micro_batches(chunks, num_micro)):
-            loss, metrics = loss_fn(mb, norm)
+            loss, metrics = role.micro_loss(mb, norm, flags)
             if i < real:
-                finite = finite and bool(torch.isfinite(loss.detach()))
+                ok = torch.isfinite(loss.detach())
+                finite = ok if finite is None else finite & ok
                 for k, v in metrics.items():
-                    sums[k] += float(v)
+                    v = torch.as_tensor(v).detach().to(torch.float64)
+                    sums[k] = sums[k] + v if k in sums else torch.zeros_like(v) + v
             (loss * (world if i < real else 0.0)).backward()
-        finite = all_ranks_agree(finite, world)
-        grad_norm = clip_grad_norm(unit.params, s.grad_clip)
-        if finite and torch.isfinite(grad_norm):
-            unit.optimizer.step()
+        grad_norm = clip_grad_norm(role.params, s.grad_clip)
+        # One read per optimizer step: the step-or-skip decision.
+        if world == 1:
+            step = bool(torch.isfinite(grad_norm) if finite is None else finite & torch.isfinite(grad_norm))
         else:
-            unit.skipped_steps += 1
-            unit.optimizer.zero_grad(set_to_none=True)
-        grad_norms += float(grad_norm)
+            step = all_ranks_agree(finite is None or bool(finite), world) and bool(torch.isfinite(grad_norm))
+        if step:
+            role.optimizer.step()
+        else:
+            role.skipped_steps += 1
+            role.optimizer.zero_grad(set_to_none=True)
+        norm64 = grad_norm.detach().to(torch.float64)
+        grad_norms = norm64 if grad_norms is None else grad_norms + norm64
     count = max(1, len(steps))
     shared = {
-        f"{s.prefix}/grad_norm": grad_norms / count,
+        f"{s.prefix}/grad_norm": (0.0 if grad_norms is None else float(grad_norms)) / count,
         # The rate these steps used, before the schedule moves.
-        f"{s.prefix}/lr": unit.optimizer.param_groups[0]["lr"],
+        f"{s.prefix}/lr": role.optimizer.param_groups[0]["lr"],
     }
-    unit.scheduler.step()
-    shared[f"{s.prefix}/skipped_steps"] = float(unit.skipped_steps)
+    role.scheduler.step()
+    shared[f"{s.prefix}/skipped_steps"] = float(role.skipped_steps)
     shared[f"{s.prefix}/num_optimizer_steps"] = float(len(steps))
-    return {k: v / count for k, v in sums.items()}, shared
+    return {k: float(v) / count for k, v in sums.items()}, shared

@@ -14,13 +14,14 @@ import torch
 
 from tearless.rewards.steps import step_fields
 from tearless.rollout.engine import RolloutOutput
+from tearless.rollout.multiturn import Scores
 
 
-def score_responses(tokenizer: Any, manager: Any, items: list[dict], out: RolloutOutput) -> dict[str, Any]:
-    """Scores of ``out``'s responses (one item per response): ``scores`` and ``correct`` (B,),
-    ``texts`` and ``extras`` (each scorer's extra keys) per response, and the counts of failed samples
-    and of reward processes lost while scoring; ``errors`` groups the failures by message
-    (:func:`distinct_errors`).
+def score_responses(tokenizer: Any, manager: Any, items: list[dict], out: RolloutOutput) -> Scores:
+    """The :class:`~tearless.rollout.multiturn.Scores` of ``out``'s responses (one item per
+    response): ``scores`` and ``correct`` (B,), ``texts`` and ``extras`` (each scorer's extra keys) per
+    response, and the counts of failed samples and of reward processes lost while scoring; ``errors``
+    groups the failures by message (:func:`distinct_errors`).
 
     The scorer reads the whole trajectory (tool output included). A sample is correct when its
     scorer's ``acc`` is true or, without one, its score is ≥ 1.

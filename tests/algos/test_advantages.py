@@ -243,7 +243,76 @@ def test_registry_holds_every_documented_estimator():
         "opo",
         "grpo_passk",
         "grpo_process",
+        "on_policy_distill",
     }
+
+
+# ----------------------------------------------------------------------------- on-policy distillation
+
+# Two responses (one prompt, group "a") of 3 tokens; row 1's last token is padding.
+#   teacher log-probs  [[-0.5, -1.0, -0.1], [-2.0, -0.3, 9.0]]
+#   student log-probs  [[-1.0, -0.4, -0.1], [-0.5, -0.3, 7.0]]
+#   log π_T − log π_S  [[+0.5, -0.6,  0.0], [-1.5,  0.0,  --]]   (masked token → 0)
+# Outcome rewards (1, 0): GRPO gives ±0.5/0.7071 = ±0.7071 (eps aside), so with α = 0.5 each token
+# of row 0 gains +0.35355 and each valid token of row 1 loses 0.35355:
+#   [[0.85355, -0.24645, 0.35355], [-1.85355, -0.35355, 0]]
+# The batch's reverse KL (distill/reverse_kl) = −(0.5 − 0.6 + 0 − 1.5 + 0)/5 = 0.32.
+TEACHER = torch.tensor([[-0.5, -1.0, -0.1], [-2.0, -0.3, 9.0]])
+STUDENT = torch.tensor([[-1.0, -0.4, -0.1], [-0.5, -0.3, 7.0]])
+DISTILL_MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def distill(coef, rewards=(1.0, 0.0)):
+    r = torch.zeros(2, 3)
+    r[0, 2], r[1, 1] = rewards
+    return compute_advantage(
+        "on_policy_distill",
+        token_level_rewards=r,
+        response_mask=DISTILL_MASK,
+        index=["a", "a"],
+        teacher_log_prob=TEACHER,
+        student_log_prob=STUDENT,
+        distill_reward_coef=coef,
+    )
+
+
+def test_on_policy_distill_hand_worked():
+    adv, ret = distill(0.0)
+    # Exact: each entry is one float32 subtraction of the numbers above.
+    assert torch.equal(adv, torch.tensor([[0.5, -0.6, 0.0], [-1.5, 0.0, 0.0]]))
+    assert torch.equal(adv, ret)
+    mixed, _ = distill(0.5)
+    g = 0.5 * 0.5 / (0.5**0.5 + EPS)
+    expected = torch.tensor([[0.5 + g, -0.6 + g, g], [-1.5 - g, -g, 0.0]])
+    # float32 sums of three terms of size ≤ 2: a few ulps of 2.
+    torch.testing.assert_close(mixed, expected, rtol=0, atol=4 * 2 * torch.finfo(torch.float32).eps)
+
+
+def test_on_policy_distill_equal_rewards_add_nothing_and_needs_the_teacher():
+    # A group of equal rewards has GRPO advantage 0: the mix leaves the distillation signal alone.
+    assert torch.equal(distill(0.5, rewards=(1.0, 1.0))[0], distill(0.0)[0])
+    r, m = outcome([1.0, 0.0])
+    with pytest.raises(ValueError, match="needs 'teacher_log_prob'"):
+        compute_advantage("on_policy_distill", token_level_rewards=r, response_mask=m, student_log_prob=r)
+    with pytest.raises(ValueError, match=r"teacher_log_prob must be \(B, T\)"):
+        compute_advantage(
+            "on_policy_distill",
+            token_level_rewards=r,
+            response_mask=m,
+            teacher_log_prob=r[:, :2],
+            student_log_prob=r,
+        )
+
+
+def test_distill_metrics_hand_worked():
+    from tearless.trainers.metrics import distill_metrics
+
+    got = distill_metrics(TEACHER, STUDENT, DISTILL_MASK)
+    # Sums of 5 float32 numbers of size ≤ 2: tolerance 5 ulps of 2 each.
+    tol = 5 * 2 * torch.finfo(torch.float32).eps
+    assert got["distill/reverse_kl"] == pytest.approx(0.32, abs=tol)
+    assert got["distill/teacher_log_prob"] == pytest.approx(-3.9 / 5, abs=tol)
+    assert got["distill/student_log_prob"] == pytest.approx(-2.3 / 5, abs=tol)
 
 
 @pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])

@@ -69,12 +69,67 @@ def test_gspo_hand_worked():
     assert loss.item() == pytest.approx(-rho)
     torch.testing.assert_close(log_prob.grad, torch.full((1, 2), -rho / 2))
     assert metrics["pg_clipfrac"].item() == 0.0
-    # GSPO defines its own aggregation (veRL hard-codes it): naming it is accepted, another is refused.
-    same, _ = policy_loss("gspo", log_prob=log_prob, loss_agg_mode="seq-mean-token-mean", **inputs)
-    assert same.item() == loss.item()
-    for other in ("token-sum", "token-mean"):
-        with pytest.raises(ValueError, match=f"'gspo' aggregates with 'seq-mean-token-mean'.*{other}"):
-            policy_loss("gspo", log_prob=log_prob, loss_agg_mode=other, **inputs)
+    # One row: token-mean and seq-mean-token-mean agree (−ρ); token-sum is twice that.
+    summed, _ = policy_loss("gspo", log_prob=log_prob, loss_agg_mode="token-sum", **inputs)
+    assert summed.item() == pytest.approx(-2 * rho)
+
+
+def verl_091_gspo(old_log_prob, log_prob, advantages, mask, agg, low=0.2, high=0.2):
+    """veRL 0.9.1's ``compute_policy_loss_gspo`` followed by its ``agg_loss`` (dp_size 1, no global
+    counts), written out from the formulas: s_i = Σ_t Δ m / max(1, |y_i|); ρ = exp(min(sg[s_i] + logπ −
+    sg[logπ], 10)); L = max(−Aρ, −A clip(ρ, 1 − low, 1 + high)); then the mode's reduction."""
+    m = mask.float()
+    lengths = m.sum(-1).clamp(min=1)
+    s = ((log_prob - old_log_prob) * m).sum(-1) / lengths
+    ratio = torch.exp(torch.clamp(log_prob - log_prob.detach() + s.detach()[:, None], max=10.0))
+    loss = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - low, 1 + high))
+    per_row_sum = (loss * m).sum(-1)
+    rows = (m.sum(-1) > 0).float()
+    if agg == "token-mean":
+        return (loss * m).sum() / m.sum()
+    if agg == "token-sum":
+        return (loss * m).sum()
+    if agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        out = (per_row_sum * rows).sum() / rows.sum()
+        return out / mask.shape[-1] if agg == "seq-mean-token-sum-norm" else out
+    if agg == "seq-mean-token-mean":
+        return (per_row_sum / (m.sum(-1) + 1e-8) * rows).sum() / rows.sum()
+    raise AssertionError(agg)
+
+
+# veRL 0.9.1 aggregates GSPO with actor.loss_agg_mode, whose default is token-mean (its config's null is
+# tearless's None). Random rows of different lengths, one of them empty, ratios both inside and outside
+# the clip range, advantages of both signs.
+@pytest.mark.parametrize(
+    ("agg", "verl_agg"),
+    [(None, "token-mean"), ("token-mean", "token-mean"), ("token-sum", "token-sum"),
+     ("seq-mean-token-sum", "seq-mean-token-sum"), ("seq-mean-token-mean", "seq-mean-token-mean"),
+     ("seq-mean-token-sum-norm", "seq-mean-token-sum-norm")],
+)  # fmt: skip
+def test_gspo_equals_verl_091_for_every_loss_agg_mode(agg, verl_agg):
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 7
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    log_prob = old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, 1, generator=g, dtype=torch.float64).expand(B, T).contiguous()
+    lengths = torch.tensor([7, 5, 1, 3, 0, 6])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    ours_lp = log_prob.clone().requires_grad_()
+    ours, metrics = policy_loss(
+        "gspo", old_log_prob=old, log_prob=ours_lp, advantages=adv, response_mask=mask, loss_agg_mode=agg
+    )
+    ours.backward()
+    ref_lp = log_prob.clone().requires_grad_()
+    ref = verl_091_gspo(old, ref_lp, adv, mask, verl_agg)
+    ref.backward()
+    # float64 sums of ≤ 42 terms of size ≤ ~5: agreement to 1e-12 is rounding, not luck.
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours_lp.grad, ref_lp.grad * mask, rtol=1e-12, atol=1e-12)
+    assert 0.0 < metrics["pg_clipfrac"].item() < 1.0  # both branches are exercised
+    if agg is not None and agg != "seq-mean-token-mean":
+        # The modes really differ on these rows: the table is not one number five times.
+        other = verl_091_gspo(old, log_prob, adv, mask, "seq-mean-token-mean")
+        assert abs(ours.item() - other.item()) > 1e-3
 
 
 def test_gspo_clips_whole_sequences():

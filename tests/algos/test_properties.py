@@ -81,6 +81,9 @@ def estimator_inputs(gen, mask):
         "values": randn(gen, mask),
         "reward_baselines": torch.randn(rows, generator=gen, dtype=torch.float64),
         "step_mask": torch.rand(mask.shape, generator=gen) < 0.3,
+        "teacher_log_prob": -torch.rand(mask.shape, generator=gen, dtype=torch.float64),
+        "student_log_prob": -torch.rand(mask.shape, generator=gen, dtype=torch.float64),
+        "distill_reward_coef": 0.5,
         "gamma": 0.9,
         "lam": 0.95,
     }

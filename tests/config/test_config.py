@@ -34,7 +34,7 @@ def fails(*overrides: str) -> str:
 def test_defaults_are_valid_and_mirror_verl_names():
     cfg = load_config()
     assert cfg.algorithm.adv_estimator == "grpo"
-    # null: token-mean for every term (veRL's default), the policy term of gspo/sapo/geo_mean their own.
+    # null: token-mean for every term (veRL's default), the policy term of sapo/geo_mean their own.
     assert cfg.actor_rollout_ref.actor.loss_agg_mode is None
     assert cfg.actor_rollout_ref.actor.clip_ratio == 0.2 and cfg.actor_rollout_ref.actor.clip_ratio_c == 3.0
     assert cfg.trainer.resume_mode == "auto"
@@ -151,9 +151,14 @@ def test_micro_batch_must_divide_the_mini_batch_responses():
             "placement=ray",
         ),
         (
-            ["actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=vllm"],
+            [
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                "actor_rollout_ref.rollout.name=vllm",
+                "trainer.placement=ray",
+                "trainer.n_gpus_per_node=2",
+            ],
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
-            "data-parallel rollout",
+            "one generating worker",
         ),
         (["algorithm.rollout_correction.rollout_is=batch"], "rollout_correction.rollout_is", "sequence"),
         (

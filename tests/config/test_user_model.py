@@ -11,6 +11,7 @@ import pytest
 
 from tearless.config import Config, load_config
 from tearless.config.dpo import DPOConfig
+from tearless.config.rm import RMConfig
 from tearless.config.sft import SFTConfig
 from tearless.config.user_model import RL_DEFAULTS, is_user_model
 
@@ -95,9 +96,10 @@ def test_the_embedded_model_and_the_default_run_keep_the_tuned_defaults(tmp_path
     [
         (SFTConfig, {"optim.lr": 1e-5, "data.max_response_length": 256}),
         (DPOConfig, {"optim.lr": 1e-6, "algorithm.beta": 0.1, "trainer.total_epochs": 1}),
+        (RMConfig, {"optim.lr": 1e-5, "trainer.total_epochs": 1}),
     ],
 )
-def test_sft_dpo_and_kto_get_trl_and_verl_defaults(schema, expected, tmp_path):
+def test_sft_dpo_kto_and_rm_get_trl_and_verl_defaults(schema, expected, tmp_path):
     notes: list[str] = []
     overrides = ["model.path=org/model", f"data.train_files={tmp_path / 't.parquet'}"]
     if schema is DPOConfig:
@@ -110,3 +112,9 @@ def test_sft_dpo_and_kto_get_trl_and_verl_defaults(schema, expected, tmp_path):
     assert notes[0].startswith("model.path is a pretrained model")
     toy = load_config(None, [], schema=schema, notify=notes.append)
     assert len(notes) == 1 and toy.optim.lr == schema().optim.lr
+
+
+def test_a_lora_reward_model_gets_trls_lora_rate(tmp_path):
+    overrides = ["model.path=org/model", f"data.train_files={tmp_path / 't.parquet'}", "model.lora_rank=8"]
+    assert load_config(None, overrides, schema=RMConfig).optim.lr == 1e-4
+    assert load_config(None, [*overrides, "optim.lr=3e-5"], schema=RMConfig).optim.lr == 3e-5

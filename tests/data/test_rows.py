@@ -178,3 +178,24 @@ def test_load_many_concatenates_in_order(tmp_path):
     assert load_many(str(tmp_path / "a.jsonl")) == sample_rows(2)
     with pytest.raises(DataError, match="no data files"):
         load_many([])
+
+
+@pytest.mark.parametrize("name", ["rows.parquet", "rows.jsonl"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_ground_truth_is_refused_naming_the_row(tmp_path, name, value):
+    # A NaN or infinite answer can never be matched: every response to row 1 would score 0 silently.
+    rows = [make_row("1+1=", 2.0), make_row("2+2=", value), make_row("3+3=", 6.0)]
+    path = tmp_path / name
+    (write_parquet if name.endswith("parquet") else write_jsonl)(rows, path)
+    with pytest.raises(DataError) as info:
+        load_rows(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: row 1") and f"ground_truth is {value}" in message
+
+
+def test_a_non_finite_number_inside_a_ground_truth_is_refused_too(tmp_path):
+    rows = [make_row("x", {"answers": [1.0, float("nan")]})]
+    path = tmp_path / "rows.jsonl"
+    write_jsonl(rows, path)
+    with pytest.raises(DataError, match=r"row 0 \(line 1\): reward_model.ground_truth holds nan"):
+        load_rows(path)

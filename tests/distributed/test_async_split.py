@@ -12,14 +12,6 @@ from tearless.run.tracking import read_metrics
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_one_step_off_on_a_rollout_worker_matches_one_process(ray_session, overrides, tmp_path):
     common = (
         "async_training.enable=true",

@@ -161,3 +161,43 @@ def test_the_gpu_checks_dry_run_passes_on_cpu(tmp_path):
     assert results["grpo_fp32_resume"]["resumed"] and results["grpo_fp32_resume"]["steps"] == 2
     assert results["rank_sharded_logprobs"]["sharded_class"].startswith("FSDP")
     assert results["decode_loop"]["static_greedy_agree"] >= 0.99
+
+
+@pytest.mark.slow
+def test_the_gpu_checks_real_scale_tier_dry_run_passes_on_cpu(tmp_path):
+    # The real-scale tier (benchmarks/gpu_scale.py: the trainer's update and the decode loop at
+    # Qwen2.5's shapes) on a tiny shape, so it cannot rot between GPU sessions either.
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
+    env = {**os.environ, "TEARLESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--tier", "real", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 2 passed, 0 failed", out.stdout + out.stderr
+    results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+    assert results["update_dry"]["finite"] and results["update_dry"]["tokens_per_s"] > 0
+    assert results["update_dry"]["mfu"] is None  # no card: no peak to divide by
+    assert results["decode_dry"]["tok_s"] > 0 and results["decode_dry"]["share_of_limit"] is None
+
+
+def test_the_real_scale_tiers_flops_and_bandwidth_limit_by_hand():
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    try:
+        import gpu_scale
+    finally:
+        sys.path.pop(0)
+    from transformers import Qwen2Config
+
+    assert gpu_scale.card_peaks("NVIDIA H200") == (989e12, 4.8e12)
+    assert gpu_scale.card_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert gpu_scale.card_peaks("NVIDIA H100 PCIe") == (756e12, 2.0e12)
+    assert gpu_scale.card_peaks("NVIDIA A10G") is None
+    qwen = Qwen2Config(**gpu_scale.SHAPES["0.5b"])
+    # N = 494,005,120, of which the tied table V·h = 136,134,656. 128 rows of 128 + 1,024 tokens: s =
+    # 1,151 forwarded each, 1,024 through the head. 6·357,870,464·128·1,151 = 316,346,038,321,152;
+    # 6·136,134,656·128·1,024 = 107,060,649,787,392; attention 6·24·896·128·1,151² =
+    # 21,879,183,900,672. Total 445,285,872,009,216 (≈ 3.0e9 FLOP per token).
+    assert gpu_scale.update_flops(qwen, 128, 1024, 128) == 445_285_872_009_216
+    # Decode at 4.8 TB/s: bf16 weights 988,010,240 B and KV 2·24·128·2·128·(128 + 512) = 1,006,632,960
+    # B per step: 128 · 4.8e12 / 1,994,643,200 = 308,025 tokens/s.
+    assert gpu_scale.decode_limit(qwen, 128, 1024, 128, 4.8e12) == pytest.approx(308_025, abs=1)

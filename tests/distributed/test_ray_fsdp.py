@@ -39,7 +39,8 @@ from tearless.trainers.records import read_records
 from tearless.workers import ray_group
 from tearless.workers.rank import Rank
 from tearless.workers.ray_group import WorkerError
-from tests.tolerances import eps, gradient_terms, loss_rel, sum_tol
+from tests.conftest import search_r1_overrides
+from tests.tolerances import eps, gradient_terms, logprob_tol, loss_rel, sum_tol
 
 pytestmark = pytest.mark.slow
 
@@ -368,28 +369,19 @@ def tool_runs(ray_session, tmp_path_factory):
     def run(run_dir, *extra):
         return train(
             None,
-            [
-                f"task.cache_dir={cache}",
-                "task.num_train=16",
+            search_r1_overrides(
+                cache,
+                run_dir,
                 "task.num_val=4",
-                "task.warmup_steps=30",
-                f"trainer.default_local_dir={run_dir}",
-                "trainer.total_training_steps=2",
-                "trainer.logger=[jsonl]",
                 "trainer.num_rollout_samples=64",
                 "trainer.save_freq=1",
                 "trainer.num_threads=1",
                 "trainer.val_before_train=false",
-                "data.train_batch_size=4",
-                "data.max_response_length=64",
-                "actor_rollout_ref.rollout.n=4",
-                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                 "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
                 "actor_rollout_ref.model.share_prompt_forward=false",
-                "reward_model.num_workers=0",
                 f"trainer.worker_timeout_s={TIMEOUT_S}",
                 *extra,
-            ],
+            ),
             preset="search_r1",
             log=lambda _: None,
         )
@@ -480,3 +472,39 @@ def test_a_user_registered_loss_reaches_the_ray_ranks(ray_session, overrides, tm
         runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")[-1]
     for key in ("actor/pg_loss", "actor/grad_norm", "critic/score/mean"):
         assert runs["user"][key] == runs["vanilla"][key], key
+
+
+def test_a_distillation_teacher_in_its_own_pool_matches_the_single_process_run(
+    ray_session, overrides, task, tmp_path
+):
+    """The teacher is a role like the reference: with ``trainer.colocate=false`` it gets a pool of its
+    own (2 ranks, FSDP2-sharded), and its log-probs of the same samples give the single process's
+    signal. The teacher: the task's model with its weights perturbed, so the signal is not zero."""
+    from transformers import AutoConfig
+
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+
+    teacher = load_causal_lm(task.model_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in teacher.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    teacher.save_pretrained(tmp_path / "teacher")
+    load_tokenizer(task.model_dir).save_pretrained(tmp_path / "teacher")
+    distill = (
+        "algorithm.adv_estimator=on_policy_distill",
+        f"actor_rollout_ref.teacher.model.path={tmp_path / 'teacher'}",
+        steps(1),
+    )
+    runs = {}
+    for name, extra in (("local", ()), ("ray", workers(2, "trainer.colocate=false"))):
+        train(None, common(overrides, tmp_path / name, *distill, *extra), log=lambda _: None)
+        runs[name] = read_metrics(tmp_path / name / "metrics.jsonl")[-1]
+    local, ray = runs["local"], runs["ray"]
+    assert local["critic/score/mean"] == ray["critic/score/mean"]  # the same samples (keyed sampling)
+    assert local["distill/reverse_kl"] > 0.01  # a perturbed teacher disagrees
+    # A token-mean of log-probs: each within logprob_tol of the other placement's (sharded sums in
+    # another order), so the means and their difference within two of them.
+    tol = 2 * logprob_tol(AutoConfig.from_pretrained(task.model_dir))
+    for key in ("distill/reverse_kl", "distill/teacher_log_prob", "distill/student_log_prob"):
+        assert abs(local[key] - ray[key]) <= tol, (key, local[key], ray[key], tol)

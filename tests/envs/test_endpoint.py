@@ -155,9 +155,9 @@ def test_failing_agents_cost_their_episode(tok):
     assert scored["scores"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert [e["env_failed"] for e in scored["extras"]] == [0.0, 1.0, 1.0, 1.0]
     assert set(scored["errors"]) == {
-        "the agent raised RuntimeError: agent bug",
-        "the agent timed out after 1 s",
-        "the agent made no call to the endpoint",
+        "episode failed: the agent raised RuntimeError: agent bug",
+        "episode failed: the agent timed out after 1 s",
+        "episode failed: the agent made no call to the endpoint",
     }
     assert res.out.response_mask[1:].sum() == 0
     # After its episode, a session refuses calls.

@@ -16,6 +16,7 @@ from tearless.envs import EnvLoop, Step, env_factory, register_env
 from tearless.rewards.steps import token_level_rewards
 from tearless.rollout.agent import AgentSettings
 from tearless.tasks.tokenizer import build_char_tokenizer
+from tearless.trainers.reward_errors import RewardErrors
 from tests.envs.scripted import ScriptedEngine
 
 
@@ -163,10 +164,15 @@ def test_environment_exceptions_and_hangs_cost_their_episode_only(tok):
     assert [e["env_timeout"] for e in scored["extras"]] == [0.0, 0.0, 0.0, 0.0, 1.0]
     assert scored["failures"] == 3
     assert set(scored["errors"]) == {
-        "env.step raised ValueError: board corrupted",
-        "env.reset raised RuntimeError: no such level",
-        "env.step timed out after 0.5 s",
+        "episode failed: env.step raised ValueError: board corrupted",
+        "episode failed: env.reset raised RuntimeError: no such level",
+        "episode failed: env.step timed out after 0.5 s",
     }
+    # The run's error line says what a failed episode gets: reward 0 and no gradient, not failure_score.
+    lines: list[str] = []
+    RewardErrors(True, lines.append).report(scored["errors"], 5)
+    assert len(lines) == 3 and all("each gets reward 0 and is not trained on" in line for line in lines)
+    assert not any("failure_score" in line for line in lines)
     assert res.out.response_mask[2:].sum() == 0  # nothing of a failed episode is trained on
     assert res.out.response_mask[:2].sum() == 4
     # The failed reset has no observation: its row falls back to the data row's prompt ids.

@@ -4,6 +4,7 @@ through the chat template, results as ``role: tool`` messages, the answer scored
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -108,3 +109,14 @@ def test_tools_environment_runs_calls_and_scores_the_answer(tmp_path):
     first = res.out.response_ids[0][res.out.response_attention_mask[0].bool()].tolist()
     between = enc("<|tool|>42<|end|><|assistant|>")
     assert first == [*enc(call), tok.eos_token_id, *between, *enc("42"), tok.eos_token_id]
+
+
+def test_hermes_parsing_is_linear_in_unterminated_tags_and_capped_in_calls():
+    started = time.perf_counter()
+    parsed = parse_tool_calls("<tool_call>" * 8000, "hermes")
+    assert time.perf_counter() - started < 1.0  # 10.8 s with the lazy regex (n² scans)
+    assert parsed.tool_calls == [] and parsed.problem is None
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert len(parse_tool_calls(call * 5, "hermes", max_calls=5).tool_calls) == 5
+    capped = parse_tool_calls("text " + call * 6, "hermes", max_calls=5)
+    assert capped.tool_calls == [] and capped.problem == "more than 5 tool calls in one turn"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,67 @@ class Case:
     name: str
     overrides: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # RLIMIT_AS of the process: a case that could read without end (a link to /dev/zero) fails with
+    # MemoryError inside its own limit instead of waking the kernel's OOM killer.
+    memory_limit: int | None = None
+
+
+HOSTILE_KINDS = ("FIFO", "/dev/zero link", "directory", "broken symlink", "too large")
+HOSTILE_MEMORY = 4 << 30
+
+
+def make_hostile(path: Path, how: str, cap: int) -> None:
+    """Put the hostile thing ``how`` (one of :data:`HOSTILE_KINDS`) at ``path``; ``too large`` is a
+    sparse file of ``cap`` + 1 bytes (no disk, no time)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if how == "FIFO":
+        os.mkfifo(path)
+    elif how == "/dev/zero link":
+        path.symlink_to("/dev/zero")
+    elif how == "directory":
+        path.mkdir()
+    elif how == "broken symlink":
+        path.symlink_to(path.parent / "nothing-here")
+    else:
+        path.touch()
+        os.truncate(path, cap + 1)
+
+
+def hostile_file_cases(task, root: Path) -> list[Case]:
+    """Every user-given path key, with each hostile kind of file where tearless reads it."""
+    from tearless.userfiles import CAPS
+
+    model_key, mt = "actor_rollout_ref.model.path", "actor_rollout_ref.rollout.multi_turn"
+    places = [  # (key, the file made hostile, its cap's kind, the overrides given that file)
+        (model_key, "model/config.json", "config", lambda p: [f"{model_key}={p.parent}"]),
+        (
+            "actor_rollout_ref.model.tokenizer_path",
+            "tokenizer/tokenizer.json",
+            "tokenizer",
+            lambda p: [f"actor_rollout_ref.model.tokenizer_path={p.parent}"],
+        ),
+        ("data.train_files", "train.jsonl", "jsonl", lambda p: [f"data.train_files={p}"]),
+        ("data.val_files", "val.parquet", "data", lambda p: [f"data.val_files={p}"]),
+        ("custom_reward_function.path", "reward.py", "code", lambda p: [f"custom_reward_function.path={p}"]),
+        (
+            f"{mt}.tool_config_path",
+            "tools.yaml",
+            "config",
+            lambda p: [f"{mt}.enable=true", f"{mt}.tool_config_path={p}"],
+        ),
+    ]
+    cases = []
+    for key, rel, kind, overrides in places:
+        for how in HOSTILE_KINDS:
+            where = root / "hostile" / f"{key}-{how}".replace("/", "_").replace(" ", "_")
+            if rel.startswith("model/"):
+                shutil.copytree(task.model_dir, where / "model")
+            if rel.startswith("tokenizer/"):
+                shutil.copytree(task.model_dir, where / "tokenizer")
+            (where / rel).unlink(missing_ok=True)
+            make_hostile(where / rel, how, CAPS[kind][0])
+            cases.append(Case(f"hostile {key}: {how}", overrides(where / rel), memory_limit=HOSTILE_MEMORY))
+    return cases
 
 
 def _model_copy(task, root: Path, name: str) -> Path:
@@ -135,7 +197,7 @@ def make_cases(task, root: Path) -> list[Case]:
             [f"custom_reward_function.path={exits}", "reward_model.num_workers=0"],
         )
     )
-    return cases
+    return cases + hostile_file_cases(task, root)
 
 
 def base_overrides(task, run_dir: Path) -> list[str]:
@@ -168,6 +230,13 @@ def classify(returncode: int | None, stderr: str) -> str:
     return "silent"
 
 
+def _address_space(limit: int):
+    def set_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return set_limit
+
+
 def run_case(case: Case, task, run_dir: Path, limit_s: float) -> tuple[str, str, float]:
     """Run one case as a real ``tearless train`` process; ``(class, last stderr line, seconds)``."""
     args = [*base_overrides(task, run_dir), *case.overrides]
@@ -177,7 +246,12 @@ def run_case(case: Case, task, run_dir: Path, limit_s: float) -> tuple[str, str,
     err_file = run_dir.with_suffix(".stderr")
     with open(err_file, "w") as err:
         process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **case.env}, cwd=run_dir.parent
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, **case.env},
+            cwd=run_dir.parent,
+            preexec_fn=None if case.memory_limit is None else _address_space(case.memory_limit),
         )
         try:
             returncode = process.wait(timeout=limit_s)

@@ -11,6 +11,7 @@ import os
 import statistics
 from pathlib import Path
 
+from tearless import cli
 from tearless.config import load_config
 from tearless.trainers.rl import RLTrainer
 
@@ -25,8 +26,12 @@ def _rss_mb(pid: int | str = "self") -> float:
 
 
 def _children() -> list[int]:
+    """This process's live children, less the training commands' reaper (tearless.cli starts one per
+    process, for the whole test session, when a test runs a command in-process)."""
     pid = os.getpid()
-    return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    reapers = {p.pid for p in cli._reaper if p is not None}
+    children = map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    return [c for c in children if c not in reapers]
 
 
 def soak(task, run_dir: Path, steps: int) -> dict[str, list[float]]:

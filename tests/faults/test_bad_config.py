@@ -24,8 +24,8 @@ from tearless.algos import make_kl_controller
 from tearless.config import ConfigError, load_config
 from tearless.config.derived import critic_enabled
 from tearless.config.schema import all_keys
-from tearless.config.validate import _numbers
-from tearless.workers.actor import lr_lambda, make_optimizer
+from tearless.config.validate_ranges import _numbers
+from tearless.workers.optim import lr_lambda, make_optimizer
 
 KEYS = [k for k, _ in all_keys()]
 SECTIONS = sorted({k.rsplit(".", 1)[0] for k in KEYS if "." in k})

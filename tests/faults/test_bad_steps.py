@@ -16,8 +16,15 @@ from tearless.config import load_config
 from tearless.run import checkpoint as ckpt
 from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import RLTrainer, TrainingStopped
-from tearless.workers.actor import make_optimizer
-from tearless.workers.schedule import UpdateSettings, run_plan, scheduled_update
+from tearless.workers.optim import make_optimizer
+from tearless.workers.schedule import (
+    UpdateFlags,
+    UpdateSettings,
+    combined_metrics,
+    plan_updates,
+    rank_work,
+    run_plan,
+)
 from tests.faults.chain import _equal, optimizer_state
 
 
@@ -45,7 +52,7 @@ def test_a_non_finite_mini_batch_skips_its_step_and_leaves_the_optimizer_untouch
         # A NaN gradient with a finite loss: only the gradient norm tells.
         model.weight.register_hook(lambda g: g * float("nan") if model.poisoned else g)
 
-    def micro_loss(mb, norm):
+    def micro_loss(mb, norm, flags):
         out = model(mb["x"]).sum()
         bad = bool(mb["x"][0, 0] >= 6)  # rows 2 and 3: the second mini-batch
         model.poisoned = bad
@@ -60,9 +67,6 @@ def test_a_non_finite_mini_batch_skips_its_step_and_leaves_the_optimizer_untouch
             ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
         )
     )
-    unit = SimpleNamespace(
-        model=model, params=params, optimizer=optimizer, scheduler=scheduler, skipped_steps=3
-    )
     s = UpdateSettings(
         rows_per_mini=2,
         epochs=1,
@@ -72,7 +76,17 @@ def test_a_non_finite_mini_batch_skips_its_step_and_leaves_the_optimizer_untouch
         grad_clip=1.0,
         prefix="actor",
     )
-    out = scheduled_update(_batch(), s, 1, lambda work: [run_plan(unit, *work[0], s, micro_loss)])
+    unit = SimpleNamespace(
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        skipped_steps=3,
+        settings=s,
+        micro_loss=micro_loss,
+    )
+    ((rows, steps),) = rank_work(_batch(), plan_updates(_batch(), s, 1), 1)
+    out = combined_metrics([run_plan(unit, rows, steps, UpdateFlags())], {})
     assert (
         unit.skipped_steps == 4
         and out["actor/skipped_steps"] == 4.0

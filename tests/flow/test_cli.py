@@ -18,6 +18,13 @@ def test_flow_config_error_names_the_key(capsys):
     assert "task.name" in capsys.readouterr().err
 
 
+def test_flow_timesteps_as_one_number_is_a_config_error(capsys):
+    # train.timesteps=2 used to end in "TypeError: 'int' object is not iterable"
+    assert main(["flow-train", "train.timesteps=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("tearless: config error: train.timesteps: 2 is not a list")
+
+
 @pytest.mark.slow
 def test_flow_pretrain_then_train_from_the_cli(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TEARLESS_CACHE", str(tmp_path / "cache"))

@@ -172,6 +172,12 @@ def test_flow_grpo_raises_the_2d_reward_and_saves_a_loadable_checkpoint(tmp_path
         ("train.updates_per_epoch=3", "does not divide the 64 rollouts"),
         ("train.timestep_fraction=0.05", "train.timestep_fraction"),
         ("train.timesteps=[0,10]", "train.timesteps"),
+        # one index, not a list: was a TypeError out of list(2)
+        (
+            "train.timesteps=2",
+            "train.timesteps: 2 is not a list of step indices. Write a list, e.g. train.timesteps=[2]",
+        ),
+        ("train.timesteps=[true]", "train.timesteps"),
         ("train.std_scope=global", "train.std_scope"),
         ("train.kl_variant=paper", "train.kl_variant"),
         ("sample.log_prob_reduce=max", "sample.log_prob_reduce"),

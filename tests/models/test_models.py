@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
+from tearless.models.loading import NonFiniteWeights, load_causal_lm, load_tokenizer, resolve_dtype
 from tearless.models.logprobs import response_logprobs, sequence_inputs
 from tests.tolerances import LOGIT_BOUND, entropy_tol, eps, logit_tol, logprob_tol, sum_tol
 
@@ -129,7 +129,7 @@ def test_rows_sharing_a_prompt_give_the_log_probs_and_gradient_of_separate_forwa
     import tearless.models.logprobs as logprobs
     from tearless.models.logprobs import shared_prompt_runs
 
-    monkeypatch.setattr(logprobs, "BUCKET_OVERHEAD_TOKENS", overhead)
+    monkeypatch.setattr(logprobs, "bucket_overhead_tokens", lambda device_type: overhead)
     model = copy.deepcopy(model).double()
     passes = []
     hook = model.lm_head.register_forward_hook(lambda *_: passes.append(1))
@@ -282,3 +282,18 @@ def test_length_buckets_by_hand():
     assert length_buckets([10] * 40 + [60], 64) == [list(range(40)), [40]]
     # Lengths 9 to 11: splitting saves at most 2 per row, less than one more forward.
     assert length_buckets([9, 10, 11, 10, 9, 11], 64) == [[0, 1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load_naming_the_tensor(task, tmp_path, value):
+    # Was found only after the first update, and blamed on the learning rate.
+    model = load_causal_lm(task.model_dir)
+    name, param = list(model.named_parameters())[3]
+    with torch.no_grad():
+        param.view(-1)[:2] = value
+    model.save_pretrained(tmp_path / "m")
+    with pytest.raises(NonFiniteWeights) as info:
+        load_causal_lm(tmp_path / "m", key="critic.model.path")
+    assert str(info.value).startswith(
+        f"critic.model.path={tmp_path / 'm'}: the weights hold 2 non-finite values (first in {name})"
+    )

@@ -12,7 +12,7 @@ from tearless.models import precision
 from tearless.models.logprobs import response_logprobs
 from tearless.models.precision import autocast_for, compute_dtype, set_compute_dtype
 from tearless.models.value import response_values
-from tearless.workers.actor import make_optimizer
+from tearless.workers.optim import make_optimizer
 from tests.models.test_packing import batch
 from tests.tolerances import log_softmax_tol, unit_roundoff
 
@@ -245,3 +245,47 @@ def test_rollout_in_bf16_against_an_fp32_trainer_logs_the_mismatch(overrides, ta
     bf16_lp = 2 * bf16_logit_tol(config, 12.0) + log_softmax_tol(config.vocab_size, 12.0)
     assert m["rollout_corr/max_abs_log_ratio"] <= bf16_lp
     assert 0 <= m["rollout_corr/k3_kl"] <= bf16_lp**2
+
+
+def _casts(run) -> int:
+    """The dtype conversions (aten::_to_copy) that ``run()`` dispatches."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        run()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::_to_copy")
+
+
+def test_a_forward_only_pass_in_bf16_casts_each_weight_once_per_autocast_region():
+    # 10 calls of Linear(64, 64) under bf16 autocast: each call casts its input (10 casts); the weight
+    # and the bias are cast once for the region under forward_only (12 in all), but again at every
+    # call under inference_mode, where autocast keeps no cast (30), as the decode loop did.
+    lin, x = torch.nn.Linear(64, 64), torch.randn(4, 64)
+
+    def ten_calls(mode):
+        def run():
+            with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+                for _ in range(10):
+                    lin(x)
+
+        return run
+
+    assert _casts(ten_calls(precision.forward_only("cpu", torch.bfloat16))) == 12
+    assert _casts(ten_calls(torch.inference_mode())) == 30
+    assert isinstance(precision.forward_only("cpu", torch.float32), torch.inference_mode)
+    assert isinstance(precision.forward_only("cuda", torch.bfloat16), torch.inference_mode)
+
+
+def test_weights_changed_inside_a_region_are_used_once_the_cast_cache_is_cleared():
+    # What the decode loop does when a partial rollout loads new weights mid-generation.
+    lin, x = torch.nn.Linear(8, 8, bias=False), torch.randn(2, 8)
+    with precision.forward_only("cpu", torch.bfloat16), torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x)
+        lin.weight.mul_(2.0)  # in place: the cached bf16 cast still holds the old weights
+        stale = lin(x)
+        torch.clear_autocast_cache()
+        fresh = lin(x)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = lin(x)  # a new region: the doubled weights, cast afresh
+    assert torch.equal(fresh, expected)
+    assert not torch.equal(stale, expected)

@@ -3,6 +3,7 @@ import textwrap
 import pytest
 
 from tearless.rewards import RewardManager, load_reward_function
+from tearless.userfiles import UserFileError
 
 
 def write(tmp_path, source, name="my_reward.py"):
@@ -59,7 +60,7 @@ def test_loaded_function_runs_in_workers(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"custom_reward_function.path='.*nope\.py' does not exist"):
         load_reward_function(tmp_path / "nope.py")
-    with pytest.raises(FileNotFoundError, match="is a directory"):
+    with pytest.raises(UserFileError, match=r"^custom_reward_function.path: .* is a directory, not a"):
         load_reward_function(tmp_path)
 
 

@@ -389,3 +389,43 @@ def test_a_hostile_tool_call_costs_the_model_an_invalid_turn_and_the_rollout_goe
     assert res.metrics["multi_turn/answered"] == 1.0
     assert pieces(tok, res.out, 0)[-1] == ("Lora<|end|>", 1)
     assert "Bad call. (tool call is not valid JSON" in pieces(tok, res.out, 1)[1][0]
+
+
+# 8,000 opening tags and no closing one took 10.8 s per turn with a lazy regex (each opening tag
+# scanned to the end of the text: n² work); a linear scan takes milliseconds. The bound is 1 s:
+# hundreds of times the linear time, a tenth of the quadratic one.
+UNTERMINATED = {
+    "hermes": "<tool_call>" * 8000 + '<tool_call>{"name": "search", "arguments": {"query": "x"}}',
+    "search_r1": "<search>" * 8000 + "<answer>",
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(UNTERMINATED))
+def test_unterminated_tags_parse_in_linear_time(tok, fmt):
+    loop = AgentLoop(ScriptedEngine(tok, {}), tok, {"search": Lookup()}, AgentSettings(format=fmt))
+    started = time.perf_counter()
+    action = loop.parse(UNTERMINATED[fmt])
+    assert time.perf_counter() - started < 1.0
+    # Nothing is closed: hermes reads it as an answer (no call), search_r1 as an invalid turn.
+    assert action.kind == ("answer" if fmt == "hermes" else "invalid")
+
+
+def test_the_last_closed_tag_after_many_open_ones_is_still_found(tok):
+    loop = AgentLoop(ScriptedEngine(tok, {}), tok, {"search": Lookup()}, AgentSettings())
+    action = loop.parse("<search>" * 5000 + "<search>where</search>")
+    # As the regex did: the first opening tag that has a closing one after it, up to that closing tag.
+    assert action.kind == "calls" and action.calls[0].arguments == {"query": "<search>" * 5000 + "where"}
+
+
+def test_max_tool_calls_per_turn_is_a_budget(tok):
+    call = '<tool_call>{"name": "search", "arguments": {"query": "x"}}</tool_call>'
+    loop = AgentLoop(
+        ScriptedEngine(tok, {}),
+        tok,
+        {"search": Lookup()},
+        AgentSettings(format="hermes", max_tool_calls_per_turn=3),
+    )
+    assert [c.name for c in loop.parse(call * 3).calls] == ["search"] * 3
+    action = loop.parse(call * 4000)
+    assert action.kind == "invalid"
+    assert action.problem == "more than 3 tool calls in one turn (multi_turn.max_tool_calls_per_turn=3)"

@@ -35,6 +35,20 @@ def test_hand_computed_token_and_sequence_weights():
     assert none is None and "rollout_corr/is_weight_mean" not in metrics
 
 
+def test_k3_of_engines_that_agree_to_rounding_is_their_half_square_not_negative():
+    # Log-probs one float32 ulp apart, as the built-in engine's decode and the trainer's forward give:
+    # k3 = mean(e^Δ − 1 − Δ) ≈ mean(Δ²)/2 ≈ 1e-15. In float32, e^Δ − 1 − Δ is rounding noise of
+    # order 1e-7 and came out negative (−1.4e-9 in a logged run).
+    old = torch.full((4, 8), -2.0).float()
+    rollout = torch.nextafter(old, torch.tensor(-3.0))
+    delta = (old.double() - rollout.double())[0, 0].item()
+    assert 0 < delta < 1e-6
+    _, m = rollout_correction(old, rollout, torch.ones(4, 8))
+    assert m["rollout_corr/k3_kl"] == pytest.approx(delta**2 / 2, rel=1e-6)
+    _, m = rollout_correction(rollout, old, torch.ones(4, 8))
+    assert m["rollout_corr/k3_kl"] == pytest.approx(delta**2 / 2, rel=1e-6)
+
+
 def test_weights_multiply_each_tokens_policy_loss():
     torch.manual_seed(0)
     lp = torch.randn(2, 4, requires_grad=True)

@@ -46,6 +46,16 @@ def test_sample_step_by_hand():
     assert sample_step(logits, owner, None, temperature=0.0)[0].tolist() == [1, 1, 0]
 
 
+def test_a_minus_infinite_logit_gives_a_finite_entropy():
+    # A logit of −inf (a vocabulary mask, a logits processor) has p = 0 and adds 0 to the entropy;
+    # 0 · (−inf) made it NaN. Row (0, ln 3, −inf): p = (1/4, 3/4, 0), H = 0.562335 as in the hand test.
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf], [-math.inf, -math.inf, 1.0]])
+    for u in (torch.tensor([0.2, 0.9]), None):
+        tok, logp, ent = sample_step(logits, torch.tensor([0, 1]), u, temperature=1.0)
+        torch.testing.assert_close(ent, torch.tensor([0.562335, 0.0]))
+        assert torch.isfinite(logp).all() and tok[1].item() == 2
+
+
 def test_the_distinct_draw_is_the_grouped_draw_bit_for_bit():
     # One output row per model row (any order, gaps allowed): the direct search of each row's CDF
     # makes the same comparisons as inverse_cdf's grouped search, including u·Z rounding up to Z.

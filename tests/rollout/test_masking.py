@@ -14,7 +14,8 @@ from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
 from tearless.rewards.steps import score_positions
 from tearless.tasks.bootstrap import tiny_llama
-from tearless.workers.actor import Actor, actor_settings
+from tearless.workers.actor import Actor
+from tearless.workers.schedule import UpdateFlags, UpdateSettings
 from tests.tolerances import sum_tol
 
 VOCAB, PAD = 40, 0
@@ -52,7 +53,7 @@ def actor_loss_and_logit_grad(model, td, agg: str) -> tuple[torch.Tensor, torch.
     """The actor's micro-batch loss (PPO clip + k3 KL loss + entropy bonus) and its gradient with
     respect to the logits that predict each response token, (B, R, V)."""
     cfg = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01, loss_agg_mode=agg)
-    settings = actor_settings(cfg, rollout_n=1, loss_scale_factor=float(td["response_mask"].shape[1]))
+    settings = UpdateSettings.of_section(cfg, 1, "actor", float(td["response_mask"].shape[1]))
     actor = Actor(model, cfg, settings=settings, temperature=1.0, total_steps=1)
     captured = []
 
@@ -68,7 +69,7 @@ def actor_loss_and_logit_grad(model, td, agg: str) -> tuple[torch.Tensor, torch.
             "global_num_seqs": torch.tensor(2),
             "loss_scale_factor": float(mask.shape[1]),
         }
-        loss, _ = actor.micro_loss(td, norm, use_detached_old=False)
+        loss, _ = actor.micro_loss(td, norm, UpdateFlags(detached=False))
         model.zero_grad()
         loss.backward()
     finally:

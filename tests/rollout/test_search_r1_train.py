@@ -13,6 +13,7 @@ from tearless import train
 from tearless.run.tracking import read_metrics
 from tearless.tools import load_tools
 from tearless.trainers.records import read_records
+from tests.conftest import search_r1_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -20,22 +21,12 @@ pytestmark = pytest.mark.slow
 def test_search_r1_preset_trains_with_the_agent_loop(tmp_path):
     summary = train(
         None,
-        [
-            f"task.cache_dir={tmp_path / 'cache'}",
-            "task.num_train=16",
-            "task.num_val=8",
-            "task.warmup_steps=30",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
-            "trainer.total_training_steps=2",
-            "trainer.logger=[jsonl]",
+        search_r1_overrides(
+            tmp_path / "cache",
+            tmp_path / "run",
             "trainer.num_rollout_samples=16",  # every response of a step
-            "data.train_batch_size=4",
-            "data.max_response_length=64",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
             "actor_rollout_ref.rollout.val_kwargs.n=2",
-            "reward_model.num_workers=0",
-        ],
+        ),
         preset="search_r1",
         log=lambda _: None,
     )

@@ -33,6 +33,7 @@ def rollout_cfg(**kw):
         tensor_model_parallel_size=1,
         free_cache_engine=True,
         weight_sync_timeout_s=120.0,
+        weight_checksum=True,
     )
     return SimpleNamespace(**{**base, **kw})
 

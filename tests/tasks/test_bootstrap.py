@@ -61,7 +61,7 @@ def test_every_setting_changes_the_cache_key(field):
 
 
 def test_the_cache_follows_xdg_cache_home_unless_tearless_cache_is_set(monkeypatch, tmp_path):
-    from tearless.tasks.bootstrap import default_cache_dir
+    from tearless.cachedir import default_cache_dir
 
     monkeypatch.delenv("TEARLESS_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -15,6 +15,7 @@ from tearless.config import load_config
 from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import RLTrainer
 from tearless.trainers.source import Call, fresh_groups, response_versions, staleness_metrics
+from tests.conftest import search_r1_overrides
 from tests.tolerances import logprob_tol
 
 QUIET = {"log": lambda _: None}
@@ -185,25 +186,15 @@ def test_multi_turn_tool_use_runs_one_step_off(tmp_path):
     the second step trains on first-version trajectories with their behaviour log-probs."""
     from tearless.trainers.records import read_records
 
-    keys = [
-        f"task.cache_dir={tmp_path / 'cache'}",
-        "task.num_train=16",
-        "task.num_val=8",
-        "task.warmup_steps=30",
-        f"trainer.default_local_dir={tmp_path / 'run'}",
-        "trainer.total_training_steps=2",
-        "trainer.logger=[jsonl]",
-        "data.train_batch_size=4",
-        "data.max_response_length=64",
-        "actor_rollout_ref.rollout.n=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "reward_model.num_workers=0",
+    keys = search_r1_overrides(
+        tmp_path / "cache",
+        tmp_path / "run",
         "trainer.num_rollout_samples=16",
         "async_training.enable=true",
         "async_training.max_staleness=1",
         "algorithm.rollout_correction.rollout_is=token",
         *FAST,
-    ]
+    )
     train(None, keys, preset="search_r1", **QUIET)
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["async/staleness_max"] for r in records] == [0, 1]

@@ -9,8 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from tearless import train
+from tearless.cli import main as cli
 from tearless.config import ConfigError
 from tearless.data import DataError, load_rows, write_jsonl, write_parquet
+from tearless.rewards import UnknownDataSource
 from tearless.run.tracking import read_metrics
 from tearless.tasks import arithmetic
 from tearless.trainers.records import read_records
@@ -203,3 +205,46 @@ def test_extra_reward_keys_are_logged_and_reward_kwargs_are_passed(overrides, tm
         # One character per token, and the EOS token of a finished response decodes to nothing.
         finished = 1 - r["response_length/clip_ratio"]
         assert r["reward_extra/chars/mean"] == pytest.approx(r["response_length/mean"] - finished)
+
+
+def test_an_unknown_data_source_is_refused_when_the_data_loads(overrides, task, tmp_path):
+    # Found by the built-in dispatcher when the rows load (row 7 of 20), not at the first scoring
+    # after a rollout: the run directory is never made.
+    rows = load_rows(task.train_file)[:20]
+    rows[7]["data_source"] = "no-such-source"
+    bad = tmp_path / "train.jsonl"
+    write_jsonl(rows, bad)
+    with pytest.raises(UnknownDataSource) as info:
+        run(overrides(tmp_path / "run", f"data.train_files={bad}"))
+    assert str(info.value).startswith(
+        f"data.train_files={bad}: row 7: no built-in reward function for data_source 'no-such-source'"
+    )
+    assert not (tmp_path / "run").exists()
+    # A custom reward function takes any data_source.
+    scorer = tmp_path / "any.py"
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
+    run(
+        overrides(
+            tmp_path / "run2", f"data.train_files={bad}", f"custom_reward_function.path={scorer}", *ONE_STEP
+        )
+    )
+
+
+def test_a_keyboard_interrupt_raised_by_an_in_process_reward_is_one_line(overrides, tmp_path, capsys):
+    # Not a signal (the CLI turns SIGINT into its own stop): the reward function's own raise, which
+    # printed a traceback; now one line naming where it was raised.
+    reward = tmp_path / "interrupts.py"
+    reward.write_text("def compute_score(**kwargs):\n    raise KeyboardInterrupt\n")
+    args = overrides(
+        tmp_path / "run", *ONE_STEP, f"custom_reward_function.path={reward}", "reward_model.num_workers=0"
+    )
+    code = cli(["train", *args])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 1 and "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith(
+        "tearless: error: KeyboardInterrupt raised by the run's own code, not by a signal"
+    )
+    assert f"{reward}, line 2, in compute_score" in lines[0]

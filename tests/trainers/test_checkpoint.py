@@ -50,6 +50,19 @@ def test_load_state_refuses_an_incomplete_checkpoint(tmp_path):
         ckpt.load_state(path)
 
 
+@pytest.mark.parametrize("keep", [0, 10, 200])
+def test_a_truncated_trainer_state_is_named_with_the_fix_not_torchs_advice(tmp_path, keep):
+    path = make_checkpoint_dir(tmp_path, "global_step_3")
+    buffer = tmp_path / "state.pt"
+    torch.save({"global_step": 3, "config": {}, "rng": list(range(100))}, buffer)
+    (path / "trainer_state.pt").write_bytes(buffer.read_bytes()[:keep])
+    with pytest.raises(ckpt.CheckpointDamaged) as info:
+        ckpt.load_state(path)
+    message = str(info.value)
+    assert message.startswith(f"{path / 'trainer_state.pt'} is truncated or damaged")
+    assert "weights_only" not in message and "resume_from_path" in message
+
+
 class _Saves:
     """A stand-in with ``save_pretrained`` that writes one file (the layout is what is tested)."""
 

@@ -325,3 +325,27 @@ def test_embedded_pairs_pit_a_correct_answer_against_an_incorrect_one(task, tmp_
     logs.clear()
     assert prepare_pairs(spec, task, tmp_path, samples_per_prompt=4, log=logs.append) == pairs
     assert logs == []  # cached
+
+
+def test_pairs_follow_the_scorer_they_are_given(task):
+    """``make_pairs(score=…)``: the given verdict decides chosen and rejected. With the embedded task's
+    score inverted, the same samples give pairs for the same prompts, with sides swapped."""
+    from tearless.data import load_rows
+    from tearless.models.loading import load_causal_lm, load_tokenizer
+    from tearless.tasks.preferences import make_pairs
+
+    def inverted(answer: str, truth: object) -> float:
+        return 1.0 - arithmetic.compute_score(answer, truth)
+
+    model, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
+    rows = load_rows(task.train_file)[:40]
+    settings = dict(samples_per_prompt=4, temperature=1.0, max_new_tokens=16, seed=0)
+    usual = make_pairs(model, tokenizer, rows, **settings)
+    swapped = make_pairs(model, tokenizer, rows, **settings, score=inverted)
+    assert len(swapped) == len(usual) >= 5
+    for pair, other in zip(swapped, usual, strict=True):
+        truth = pair["reward_model"]["ground_truth"]
+        assert pair["prompt"] == other["prompt"]
+        assert arithmetic.compute_score(pair["chosen"], truth) == 0.0
+        assert arithmetic.compute_score(pair["rejected"], truth) == 1.0
+        assert pair["extra_info"]["num_correct"] == 4 - other["extra_info"]["num_correct"]

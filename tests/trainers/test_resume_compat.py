@@ -69,7 +69,7 @@ def test_apply_config_writes_the_new_rate_through_the_schedule():
         None, ["actor_rollout_ref.actor.optim.lr=0.003", "actor_rollout_ref.actor.optim.weight_decay=0.1"]
     )
     kl = type("KL", (), {"value": 9.0})()
-    apply_config({"actor": (opt, sched, cfg.actor_rollout_ref.actor.optim)}, kl, cfg)
+    apply_config({"actor": (opt, sched, cfg.actor_rollout_ref.actor.optim)}, kl, cfg.algorithm.kl_ctrl)
     group = opt.param_groups[0]
     assert group["lr"] == 0.003 * (2 / 4) and group["weight_decay"] == 0.1
     assert kl.value == cfg.algorithm.kl_ctrl.kl_coef  # a fixed controller takes the configured β

@@ -16,7 +16,7 @@ from tearless.data import render_prompt
 from tearless.models.loading import load_causal_lm, load_tokenizer
 from tearless.rollout.hf import HFRollout
 from tearless.rollout.seeds import prompt_keys
-from tearless.workers.actor import lr_lambda
+from tearless.workers.optim import lr_lambda
 from tearless.workers.schedule import micro_batches
 from tests.tolerances import LOGIT_BOUND, entropy_tol, eps, gradient_terms, logprob_tol, loss_rel, sum_tol
 
@@ -315,3 +315,35 @@ def test_lr_schedule_by_hand():
     floor = lr_lambda(10, 0, "cosine", 0.1, 0.5)
     assert floor(5) == pytest.approx(0.1 + 0.9 * 0.5)
     assert floor(10) == pytest.approx(0.1)
+
+
+def test_without_calculate_entropy_the_update_skips_the_entropy_pass_and_reports_the_samplers(
+    model_and_batch, updated, monkeypatch
+):
+    # calculate_entropy=false and no entropy bonus: no pass over the vocabulary for the entropy, and
+    # actor/entropy is the sampler's entropy of the same tokens, aggregated as the update's would be.
+    import tearless.models.logprobs as logprobs
+    from tearless.algos import agg_loss
+
+    model, td = model_and_batch
+    calls = []
+    real = logprobs.entropy_from_logits
+    monkeypatch.setattr(logprobs, "entropy_from_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    common = dict(entropy_coeff=0.0, use_kl_loss=False, skip_zero_adv_rows=False, ppo_mini_batch_size=8)
+    _, _, computed = updated(model, td, lr=0.0, **common)
+    assert calls
+    calls.clear()
+    _, _, sampled = updated(model, td, lr=0.0, calculate_entropy=False, **common)
+    assert calls == []
+    mask = td["response_mask"]
+    want = float(agg_loss(td["rollout_entropy"], mask, "token-mean"))
+    assert sampled["actor/entropy"] == pytest.approx(want, rel=sum_tol(int(mask.sum()), 1.0))
+    # The sampler drew from the weights being updated (one on-policy mini-batch): the two agree.
+    assert sampled["actor/entropy"] == pytest.approx(computed["actor/entropy"], abs=entropy_tol(model.config))
+    _, _, none = updated(model, td.exclude("rollout_entropy"), lr=0.0, calculate_entropy=False, **common)
+    assert "actor/entropy" not in none and calls == []
+    # An entropy bonus needs the entropy whatever calculate_entropy says.
+    _, _, bonus = updated(model, td, lr=0.0, calculate_entropy=False, entropy_coeff=0.01, use_kl_loss=False)
+    assert calls and bonus["actor/entropy"] == pytest.approx(
+        computed["actor/entropy"], rel=metric_rel(model, td)
+    )

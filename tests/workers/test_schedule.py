@@ -15,6 +15,7 @@ from tearless.workers.schedule import (
     mini_batch_norm,
     plan_updates,
     rank_steps,
+    skipped_rows_metrics,
 )
 
 
@@ -111,6 +112,22 @@ def test_zero_advantage_rows_leave_the_passes_not_the_normalisers():
         td, settings(epochs=1, shuffle=False), 1, skip_rows=torch.ones(4, dtype=torch.bool)
     )
     assert none_left.rows == [[0]] and none_left.skipped == [1, 2, 3]  # one row keeps the step
+
+
+def test_skipped_rows_add_their_share_and_token_mean_entropy_to_the_metrics():
+    # Two mini-batches of 2 rows (tokens 6+1 and 6+2); rows 0 and 3 are left out. Their entropies are
+    # 0.5 on each of 6 tokens and 2.0 on each of 2: token-mean over each mini-batch's 7 and 8 tokens,
+    # 3/7 and 4/8, averaged over the 2 steps; half of each mini-batch skipped.
+    td = batch([6, 1, 6, 2], uids=[0, 1, 2, 3])
+    skip = torch.tensor([True, False, False, True])
+    plans = plan_updates(td, settings(rows_per_mini=2, epochs=1, shuffle=False), 1, skip_rows=skip)
+    assert [p.skipped for p in plans] == [[0], [3]]
+    entropies = [torch.full((1, 6), 0.5), torch.full((1, 6), 2.0)]
+    metrics = skipped_rows_metrics(td, plans, "token-mean", entropies)
+    assert metrics["actor/zero_adv_rows_skipped"] == 0.5
+    assert abs(metrics["actor/entropy"] - (3 / 7 + 4 / 8) / 2) < 1e-6  # float32 sums of ≤ 8 terms
+    # an entropy nobody can report (no sampler entropy, calculate_entropy off): no entropy metric
+    assert "actor/entropy" not in skipped_rows_metrics(td, plans, "token-mean", [entropies[0], None])
 
 
 def test_prompts_split_into_consecutive_near_equal_shares():

@@ -1,0 +1,154 @@
+"""The memory estimate of a run's training rank from its config (:mod:`tearless.models.memory`), and,
+before any weight is loaded, the one-line refusal when a GPU cannot hold the rank's state, or the
+one warning line when only the activations' or KV cache's upper bound exceeds it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tearless.config.derived import world_size
+from tearless.config.errors import ConfigError
+from tearless.config.plan import RunPlan, build_plan
+from tearless.config.schema import Config
+from tearless.config.user_model import is_user_model
+from tearless.devices import device_defaults
+from tearless.models.memory import GIB, MemoryEstimate, ModelShape, estimate
+
+ARR = "actor_rollout_ref"
+
+
+def run_estimate(
+    cfg: Config, model_config: Any, device: str, teacher_config: Any = None, *, plan: RunPlan | None = None
+) -> MemoryEstimate:
+    """The actor rank's estimate (with the reference's weights when it is a separate model, and the
+    teacher's, of ``teacher_config``'s shape, when the run distils one):
+    micro-batches of ``ppo_max_token_len_per_gpu`` tokens under ``use_dynamic_bsz``, else of
+    ``ppo_micro_batch_size_per_gpu`` (or the whole mini-batch of ``ppo_mini_batch_size × n``)
+    sequences of ``max_prompt_length`` + the response cap; the rollout caching the rank's share of
+    ``train_batch_size × n`` such sequences; bf16 compute on CUDA or where ``param_dtype`` asks for
+    a 16-bit type, else float32. Activations and KV cache are upper bounds in the lengths: every
+    sequence at its cap, and a group's prompt counted once per response although
+    ``share_prompt_forward`` forwards it once. The response cap, the roles and the actor's
+    ``param_dtype`` are ``plan``'s (the trainer's, ``auto`` measured; default :func:`build_plan`'s)."""
+    plan = plan or build_plan(cfg)
+    arr, data = cfg.actor_rollout_ref, cfg.data
+    actor, n, world = arr.actor, arr.rollout.n, world_size(cfg)
+    shape = ModelShape.from_config(model_config)
+    seq = data.max_prompt_length + plan.response_length
+    if actor.use_dynamic_bsz:
+        micro_tokens = actor.ppo_max_token_len_per_gpu
+    else:
+        micro_tokens = (actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n) * seq
+    dtype = plan.param_dtype("actor")
+    compute = 2 if device == "cuda" or dtype in ("bfloat16", "bf16", "float16", "fp16") else 4
+    rollout_dtype = arr.rollout.dtype
+    rollout = compute if rollout_dtype is None else (2 if rollout_dtype in ("bfloat16", "float16") else 4)
+    chunk = max(1, (1 << 24) // shape.vocab)
+    chunking = actor.entropy_from_logits_with_chunking
+    auto = device_defaults(device).chunk_logits and micro_tokens > chunk
+    fused = arr.model.use_fused_kernels and arr.model.use_remove_padding
+    return estimate(
+        shape,
+        world=world,
+        lora_rank=arr.model.lora_rank,
+        compute_bytes=compute,
+        micro_tokens=micro_tokens,
+        rollout_tokens=math.ceil(data.train_batch_size * n / world) * seq,
+        rollout_bytes=rollout,
+        checkpointing=arr.model.enable_gradient_checkpointing,
+        chunked=fused or (auto if chunking is None else chunking),
+        param_offload=actor.fsdp_config.param_offload,
+        optimizer_offload=actor.fsdp_config.optimizer_offload,
+        reference="ref" in plan.roles,
+        teacher=None if teacher_config is None else ModelShape.from_config(teacher_config),
+        teacher_offload=arr.teacher.fsdp_config.param_offload,
+    )
+
+
+def check_memory(est: MemoryEstimate, total_bytes: int, device: str) -> str | None:
+    """Refuse, in one line naming the keys that shrink it, a run whose state alone (parameters,
+    gradients, optimizer, reference: exact to the biases) exceeds the device's ``total_bytes``. When
+    the state fits but the peak does not, the activations or the KV cache pushed it over: they are
+    upper bounds (every sequence at its cap, :mod:`tearless.models.memory`), so the run may fit;
+    return one warning line naming the keys that shrink the part(s) over the card. None when the
+    peak fits."""
+    g = lambda b: f"{b / GIB:.1f}"  # noqa: E731
+    if est.state > total_bytes:
+        ref = f", reference {g(est.reference)}" if est.reference else ""
+        ref += f", teacher {g(est.teacher)}" if est.teacher else ""
+        raise ConfigError(
+            f"the actor's rank holds ~{g(est.state)} GiB of weights, gradients and optimizer state "
+            f"(parameters {g(est.parameters)}, gradients {g(est.gradients)}, optimizer {g(est.optimizer)}"
+            f"{ref}) but this {device} has {g(total_bytes)} GiB: set {ARR}.actor.fsdp_config."
+            f"optimizer_offload=true / param_offload=true or {ARR}.model.lora_rank, or add GPUs "
+            f"(trainer.n_gpus_per_node)"
+        )
+    if est.peak <= total_bytes:
+        return None
+    held = est.parameters + est.optimizer + est.reference + est.teacher
+    over = []
+    if held + est.gradients + est.activations > total_bytes:
+        over.append(
+            f"activations up to {g(est.activations)} GiB ({est.micro_tokens} tokens a micro-batch): lower "
+            f"{ARR}.actor.ppo_max_token_len_per_gpu (use_dynamic_bsz) or ppo_micro_batch_size_per_gpu, "
+            f"or set {ARR}.model.enable_gradient_checkpointing=true"
+        )
+    if held + est.kv_cache > total_bytes:
+        over.append(
+            f"KV cache up to {g(est.kv_cache)} GiB ({est.rollout_tokens} tokens): lower "
+            f"data.train_batch_size or {ARR}.rollout.n"
+        )
+    return (
+        f"warning: the actor's rank may need up to ~{g(est.peak)} GiB, over this {device}'s "
+        f"{g(total_bytes)} GiB, every sequence counted at its cap; if it runs out of memory: "
+        + "; ".join(over)
+    )
+
+
+def announce_memory(
+    cfg: Config,
+    model_path: str,
+    device: str,
+    log,
+    teacher_path: str | None = None,
+    *,
+    plan: RunPlan | None = None,
+) -> MemoryEstimate | None:
+    """At start, before any weight loads: on CUDA log the estimate, refuse a run whose state cannot
+    fit the GPU's memory and log the warning when only the activations' or KV cache's upper bound
+    does not (:func:`check_memory`); on CPU log it for a pretrained model only (the embedded tiny
+    models need a few MiB, and the default run's output stays as it was). A model whose config does
+    not give a decoder's sizes (``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``) has
+    no estimate.
+
+    ``device`` is the driver's: with ``trainer.device=auto`` it is what the process calling this
+    sees (the trainer's), not what the Ray workers see. A driver without a GPU (a CPU head node whose
+    workers have GPUs) checks nothing against their memory, and a driver with one checks its own
+    card's, not theirs. ``plan`` as in :func:`run_estimate`."""
+    plan = plan or build_plan(cfg)
+    from transformers import AutoConfig  # heavy: imported by the trainer anyway, kept out of config's import
+
+    def decoder(path: str) -> Any:
+        config = AutoConfig.from_pretrained(path)
+        text = getattr(config, "text_config", None) or config
+        sizes = ("hidden_size", "num_hidden_layers", "num_attention_heads")
+        return config if all(hasattr(text, k) for k in sizes) else None
+
+    model_config = decoder(model_path)
+    if model_config is None:
+        return None
+    # A teacher of no known shape (not a decoder's config) is left out of the estimate.
+    teacher = decoder(teacher_path) if teacher_path and "teacher" in plan.roles else None
+    est = run_estimate(cfg, model_config, device, teacher, plan=plan)
+    if device == "cuda":
+        import torch  # heavy: only a GPU run asks for its memory
+
+        log(est.line("the actor's rank"))
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        warning = check_memory(est, total, "GPU")
+        if warning:
+            log(warning)
+    elif is_user_model(model_path):
+        log(est.line("the actor's rank"))
+    return est

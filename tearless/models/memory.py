@@ -1,0 +1,201 @@
+r"""How much device memory a training rank needs, known before any weight is loaded.
+
+For a decoder of N parameters (hidden size h, L layers, key/value width k = kv_heads · head_dim, MLP
+width i, vocabulary V) trained with AdamW on float32 master weights, one rank holds:
+
+- **parameters** 4N bytes (float32), ÷ world size when FSDP2 shards them, 0 when offloaded;
+- **gradients** 4·T bytes for the T trained parameters (T = N, or the LoRA adapters' count);
+- **optimizer** 8·T bytes (AdamW's two float32 moments), 0 when offloaded;
+- **activations** per token of a micro-batch, in the compute dtype (c bytes: 2 for bf16, 4 for
+  float32) and the residual stream's dtype (r bytes, float32), what autograd keeps for the backward
+  of each block
+
+  .. math:: a_\text{layer} = 2h·r + c·(6h + 4k + 4i)
+
+  (the two norms' float32 inputs; the normed inputs of q/k/v and of gate/up, q and k after rotary
+  and v, the attention output, gate, up, silu(gate) and the down projection's input), times L, plus
+  the logits (c·V) and their float32 log-softmax working copy (4V, or none when chunked). With
+  activation checkpointing a block keeps only its float32 input (h·r) and one block is recomputed
+  at a time (one a_layer more);
+- **KV cache** of the rollout: 2·L·k·c bytes per token of every sequence the rank generates at once.
+
+Peak ≈ parameters + optimizer + max(gradients + activations, KV cache): the update and the rollout
+do not overlap in the colocated placement, and gradients are freed between steps. Weights of a
+frozen reference (4N, no gradient or optimizer) add to both phases.
+
+How close each part is: the **state** (parameters, gradients, optimizer, reference) is exact but for
+the biases (under 0.1%) and is a floor of what the rank holds. The **activations** and the **KV
+cache** are upper bounds in the lengths: the caller sizes every sequence at its cap (the config's
+prompt + response lengths) and counts each prompt once per response, where real responses are
+shorter and the shared-prompt pass forwards a group's prompt once. Transient buffers (FSDP2's
+gathered block, the allocator's fragmentation, CUDA graphs) are left out. So the peak is an upper
+bound of the lengths' worst case, not of the allocator's: only the state is safe to refuse a run on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder that memory depends on."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    head_dim: int | None = None
+
+    @property
+    def kv_width(self) -> int:
+        """k = kv_heads · head_dim: the width of one layer's keys (and of its values)."""
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def parameters(self) -> int:
+        r"""N = V·h·(1 or 2) + L·(2h·h_q + 2h·k + 3h·i + 2h) + h: embeddings (and an untied head), per
+        layer q and o (h × heads·head_dim), k and v (h × k), gate, up and down (h × i), two norms;
+        the final norm. Biases (Qwen2's q/k/v) are left out: h + 2k per layer, under 0.1%."""
+        q = self.heads * (self.head_dim or self.hidden // self.heads)
+        h = self.hidden
+        per_layer = 2 * h * q + 2 * h * self.kv_width + 3 * h * self.intermediate + 2 * h
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embed + self.layers * per_layer + self.hidden
+
+    def lora_parameters(self, rank: int) -> int:
+        """Adapters of rank r on every linear layer of every block: r·(in + out) each."""
+        q = self.heads * (self.head_dim or self.hidden // self.heads)
+        h, k, i = self.hidden, self.kv_width, self.intermediate
+        per_layer = (h + q) * 2 + (h + k) * 2 + (h + i) * 3
+        return self.layers * rank * per_layer
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelShape:
+        """From a transformers config (``hidden_size``, ``num_hidden_layers``, …)."""
+        c = getattr(config, "text_config", None) or config
+        heads = c.num_attention_heads
+        return cls(
+            hidden=c.hidden_size,
+            layers=c.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            intermediate=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
+            vocab=c.vocab_size,
+            tied=bool(getattr(c, "tie_word_embeddings", False)),
+            head_dim=getattr(c, "head_dim", None),
+        )
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank of each part (see the module docstring) and the peak."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activation_per_token: int
+    micro_tokens: int
+    kv_per_token: int
+    rollout_tokens: int
+    reference: int = 0
+    teacher: int = 0
+
+    @property
+    def activations(self) -> int:
+        return self.activation_per_token * self.micro_tokens
+
+    @property
+    def kv_cache(self) -> int:
+        return self.kv_per_token * self.rollout_tokens
+
+    @property
+    def state(self) -> int:
+        """Parameters, gradients, optimizer, reference and teacher: what the rank holds whatever the
+        lengths."""
+        return self.parameters + self.gradients + self.optimizer + self.reference + self.teacher
+
+    @property
+    def peak(self) -> int:
+        held = self.parameters + self.optimizer + self.reference + self.teacher
+        return held + max(self.gradients + self.activations, self.kv_cache)
+
+    def line(self, where: str) -> str:
+        """One line: each part in GiB and the peak."""
+
+        def g(n: int) -> str:
+            return f"{n / GIB:.2f}"
+
+        ref = f", reference {g(self.reference)}" if self.reference else ""
+        ref += f", teacher {g(self.teacher)}" if self.teacher else ""
+        return (
+            f"memory estimate ({where}, GiB): parameters {g(self.parameters)}, "
+            f"gradients {g(self.gradients)}, optimizer {g(self.optimizer)}{ref}, "
+            f"activations {g(self.activations)} "
+            f"({self.activation_per_token / 1024:.1f} KiB/token x {self.micro_tokens} tokens), KV cache "
+            f"{g(self.kv_cache)} ({self.kv_per_token / 1024:.1f} KiB/token x {self.rollout_tokens} tokens); "
+            f"peak up to ~{g(self.peak)}"
+        )
+
+
+def activation_bytes_per_token(
+    shape: ModelShape,
+    *,
+    compute_bytes: int,
+    chunked: bool,
+    residual_bytes: int = 4,
+    checkpointing: bool = False,
+) -> int:
+    """What autograd keeps per token of a micro-batch (the module docstring's a_layer · L + head)."""
+    h, k, i = shape.hidden, shape.kv_width, shape.intermediate
+    layer = 2 * h * residual_bytes + compute_bytes * (6 * h + 4 * k + 4 * i)
+    blocks = shape.layers * h * residual_bytes + layer if checkpointing else shape.layers * layer
+    head = compute_bytes * shape.vocab + (0 if chunked else 4 * shape.vocab)
+    return blocks + head
+
+
+def estimate(
+    shape: ModelShape,
+    *,
+    world: int = 1,
+    lora_rank: int = 0,
+    compute_bytes: int,
+    micro_tokens: int,
+    rollout_tokens: int,
+    rollout_bytes: int | None = None,
+    checkpointing: bool = False,
+    chunked: bool = False,
+    param_offload: bool = False,
+    optimizer_offload: bool = False,
+    reference: bool = False,
+    teacher: ModelShape | None = None,
+    teacher_offload: bool = False,
+) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of one rank: parameters, gradients and optimizer state divided by
+    ``world`` (FSDP2's full sharding); ``micro_tokens`` tokens in one micro-batch's forward and
+    backward; ``rollout_tokens`` tokens of the sequences the rank generates at once, cached in
+    ``rollout_bytes`` per element (default ``compute_bytes``); a frozen ``reference`` copy when the
+    reference is a separate model (not LoRA's adapters-off actor); a frozen ``teacher`` of its own
+    shape (on-policy distillation; none on the GPU when ``teacher_offload``)."""
+    n = shape.parameters
+    trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
+    params = 0 if param_offload else 4 * n // world
+    return MemoryEstimate(
+        parameters=params,
+        gradients=0 if param_offload else 4 * trained // world,
+        optimizer=0 if optimizer_offload else 8 * trained // world,
+        activation_per_token=activation_bytes_per_token(
+            shape, compute_bytes=compute_bytes, checkpointing=checkpointing, chunked=chunked
+        ),
+        micro_tokens=micro_tokens,
+        kv_per_token=2 * shape.layers * shape.kv_width * (rollout_bytes or compute_bytes),
+        rollout_tokens=rollout_tokens,
+        reference=params if reference and lora_rank == 0 else 0,
+        teacher=0 if teacher is None or teacher_offload else 4 * teacher.parameters // world,
+    )

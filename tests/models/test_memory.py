@@ -1,0 +1,138 @@
+"""The memory estimate printed at start (tearless.models.memory), against cases worked by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tearless.config import ConfigError, load_config
+from tearless.config.memory import announce_memory, check_memory, run_estimate
+from tearless.models.memory import GIB, ModelShape, activation_bytes_per_token, estimate
+
+QWEN_05B = ModelShape(hidden=896, layers=24, heads=14, kv_heads=2, intermediate=4864, vocab=151936, tied=True)
+
+
+def test_a_tiny_shape_by_hand():
+    # h = 4, L = 1, 2 heads of 2 (q width 4), 1 KV head (k = 2), i = 8, V = 10, untied head.
+    s = ModelShape(hidden=4, layers=1, heads=2, kv_heads=1, intermediate=8, vocab=10, tied=False)
+    assert s.kv_width == 2
+    # embeddings and head 2·10·4 = 80; q, o 2·4·4 = 32; k, v 2·4·2 = 16; gate, up, down 3·4·8 = 96;
+    # two norms 8; final norm 4: 80 + 152 + 4.
+    assert s.parameters == 236
+    # LoRA r = 1: q, o (4 + 4)·2 = 16; k, v (4 + 2)·2 = 12; gate, up, down (4 + 8)·3 = 36.
+    assert s.lora_parameters(1) == 64
+    # float32 compute: 2·4·4 (norm inputs) + 4·(6·4 + 4·2 + 4·8) = 32 + 256 = 288 per layer; logits
+    # 4·10 and their float32 working copy 4·10.
+    assert activation_bytes_per_token(s, compute_bytes=4, chunked=False) == 288 + 80
+    assert activation_bytes_per_token(s, compute_bytes=4, chunked=True) == 288 + 40
+    # checkpointing keeps each block's float32 input (4·4) and recomputes one block (288).
+    assert activation_bytes_per_token(s, compute_bytes=4, chunked=True, checkpointing=True) == 16 + 288 + 40
+    e = estimate(s, world=2, compute_bytes=4, micro_tokens=10, rollout_tokens=6, chunked=False)
+    # sharded over 2: 4·236/2 = 472, gradients 472, AdamW 8·236/2 = 944; KV 2·1·2·4 = 16 B per token.
+    assert (e.parameters, e.gradients, e.optimizer, e.kv_per_token) == (472, 472, 944, 16)
+    # peak: 472 + 944 + max(472 + 368·10, 16·6) = 5,568.
+    assert e.activations == 3680 and e.kv_cache == 96 and e.peak == 5568
+    lora = estimate(
+        s, lora_rank=1, compute_bytes=4, micro_tokens=1, rollout_tokens=1, chunked=True, reference=True
+    )
+    # LoRA: gradients and moments of the 64 adapter weights only; the reference is the adapters-off
+    # actor (no second copy).
+    assert (lora.gradients, lora.optimizer, lora.reference) == (256, 512, 0)
+    off = estimate(s, compute_bytes=4, micro_tokens=1, rollout_tokens=1, chunked=True, optimizer_offload=True)
+    assert off.optimizer == 0 and off.parameters == 944
+    # A distillation teacher of the same shape: its float32 weights, 4·236/2 = 472, on top of the
+    # peak above (LoRA's adapters-off trick does not apply: it is another model); none when offloaded.
+    kw = dict(world=2, compute_bytes=4, micro_tokens=10, rollout_tokens=6, chunked=False, teacher=s)
+    taught = estimate(s, **kw)
+    assert taught.teacher == 472 and taught.peak == 5568 + 472
+    assert "teacher 0.00" in taught.line("x") and estimate(s, **kw, teacher_offload=True).teacher == 0
+
+
+def test_qwen25_05b_by_hand():
+    # Embeddings 151,936·896 = 136,134,656 (tied); per layer 2·896·896 + 2·896·128 + 3·896·4,864 + 2·896
+    # = 14,911,232, ×24 = 357,869,568; final norm 896. 494,005,120, the published 494,032,768 less
+    # the q/k/v biases (24·(896 + 2·128) = 27,648).
+    assert QWEN_05B.parameters == 494_005_120
+    # bf16 compute: 2·896·4 + 2·(6·896 + 4·128 + 4·4,864) = 57,856 B per layer, ×24 = 1,388,544;
+    # bf16 logits 2·151,936 = 303,872 (chunked: no float32 copy).
+    assert activation_bytes_per_token(QWEN_05B, compute_bytes=2, chunked=True) == 1_692_416
+    # KV: 2·24·128·2 = 12,288 B per token.
+    e = estimate(QWEN_05B, compute_bytes=2, micro_tokens=16384, rollout_tokens=256 * 1536, chunked=True)
+    assert e.kv_per_token == 12_288
+    # peak = 4N + 8N + max(4N + 1,692,416·16,384, 12,288·393,216) = 7,904,081,920 + 27,728,543,744
+    # = 35,632,625,664 B.
+    assert e.peak == 12 * 494_005_120 + 4 * 494_005_120 + 1_692_416 * 16384
+    assert e.peak == 35_632_625_664 and e.peak / GIB == pytest.approx(33.19, abs=0.01)
+
+
+def test_from_a_transformers_config_and_a_run_config():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    )  # fmt: skip
+    assert ModelShape.from_config(config) == QWEN_05B
+    cfg = load_config(
+        None,
+        ["data.max_prompt_length=512", "data.max_response_length=1024", "data.train_batch_size=32",
+         "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.rollout.n=8"],
+        device="cuda",
+        notify=lambda _: None,
+    )  # fmt: skip
+    e = run_estimate(cfg, config, "cuda")
+    # CUDA defaults: a 16,384-token micro-batch, bf16, chunked logits; the rollout caches 32·8 = 256
+    # sequences of 512 + 1,024 tokens: the case above.
+    assert (e.micro_tokens, e.rollout_tokens) == (16384, 256 * 1536)
+    assert (
+        e.peak
+        == estimate(QWEN_05B, compute_bytes=2, micro_tokens=16384, rollout_tokens=393216, chunked=True).peak
+    )
+    # On CPU an unset entropy_from_logits_with_chunking does not chunk: the float32 copy (4V) is counted.
+    cpu = run_estimate(cfg, config, "cpu")
+    assert cpu.activation_per_token == activation_bytes_per_token(QWEN_05B, compute_bytes=4, chunked=False)
+
+
+def test_only_a_state_that_cannot_fit_is_refused_and_an_activation_bound_over_the_card_warns():
+    e = estimate(QWEN_05B, compute_bytes=2, micro_tokens=16384, rollout_tokens=256 * 1536, chunked=True)
+    # State: 16 B per parameter (4 weights + 4 gradients + 8 AdamW) · 494,005,120 = 7.36 GiB; the
+    # activations' bound 25.8 GiB and the KV cache's 4.5 GiB make the 33.2 GiB peak.
+    assert e.state == 16 * 494_005_120 and e.state / GIB == pytest.approx(7.36, abs=0.01)
+    assert check_memory(e, 80 * GIB, "GPU") is None  # 33.2 GiB fits an 80 GB card
+    # 30 GiB: the state fits; weights + AdamW + gradients + activations (1.84 + 3.68 + 1.84 + 25.8) do
+    # not, weights + AdamW + KV (1.84 + 3.68 + 4.5 = 10.0) do: one warning naming the activation keys.
+    warning = check_memory(e, 30 * GIB, "GPU")
+    assert warning is not None and "\n" not in warning
+    assert warning.startswith("warning: the actor's rank may need up to ~33.2 GiB, over this GPU's 30.0 GiB")
+    for key in ("ppo_max_token_len_per_gpu", "ppo_micro_batch_size_per_gpu", "enable_gradient_checkpointing"):
+        assert key in warning
+    assert "rollout.n" not in warning
+    # 8 GiB: the state (7.36) still fits; both bounds are over: their keys both named.
+    both = check_memory(e, 8 * GIB, "GPU")
+    assert both is not None and "rollout.n" in both and "ppo_max_token_len_per_gpu" in both
+    # 7 GiB: the state alone cannot fit: refused in one line naming the keys that shrink it.
+    with pytest.raises(ConfigError) as err:
+        check_memory(e, 7 * GIB, "GPU")
+    msg = str(err.value)
+    assert "\n" not in msg and "holds ~7.4 GiB of weights, gradients and optimizer state" in msg
+    assert "but this GPU has 7.0 GiB" in msg
+    for key in ("optimizer_offload", "param_offload", "lora_rank", "n_gpus_per_node"):
+        assert key in msg
+
+
+def test_the_default_run_prints_no_estimate_and_a_pretrained_model_on_cpu_one_line(task, tmp_path):
+    cfg = load_config(None, [], device="cpu")
+    lines: list[str] = []
+    assert announce_memory(cfg, str(task.model_dir), "cpu", lines.append) is not None
+    assert lines == []  # the embedded tiny model: the default run's output as it was
+    qwen = {
+        "model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    announce_memory(cfg, str(tmp_path), "cpu", lines.append)
+    assert len(lines) == 1 and lines[0].startswith(
+        "memory estimate (the actor's rank, GiB): parameters 1.84,"
+    )
