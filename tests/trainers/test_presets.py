@@ -36,8 +36,9 @@ OWN_METRICS = {
 # Presets that bring their own task (data, tools) are trained in their own tests:
 # search_r1 in tests/rollout/test_search_r1_train.py; countdown and knights_knaves need a real
 # instruct model and are checked against their data in tests/data/test_make.py; word_problems (and
-# knights_knaves) train SmolLM2-135M-Instruct in tests/test_real_model.py.
-TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "word_problems")
+# knights_knaves) train SmolLM2-135M-Instruct in tests/test_real_model.py; word_problems_rm is that
+# recipe with a reward model as its only reward (below, and the reward model's runs in test_rm.py).
+TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "word_problems", "word_problems_rm")
 
 
 def test_every_shipped_preset_is_covered_and_loads():
@@ -48,6 +49,18 @@ def test_every_shipped_preset_is_covered_and_loads():
     assert load_config(
         None, ["algorithm.norm_adv_by_std_in_grpo=true"], preset="dr_grpo"
     ).algorithm.norm_adv_by_std_in_grpo
+
+
+def test_the_reward_model_recipe_is_the_word_problems_recipe_with_the_model_as_its_only_reward(tmp_path):
+    from tearless.config import ConfigError, to_dict
+
+    with pytest.raises(ConfigError, match=r"^reward_model.model.path: reward_model.enable=true needs a model"):
+        load_config(None, preset="word_problems_rm")
+    rm = ["reward_model.model.path=" + str(tmp_path)]
+    mine = to_dict(load_config(None, rm, preset="word_problems_rm"))
+    by_hand = ["reward_model.enable=true", "reward_model.rule_weight=0", *rm]
+    assert mine == to_dict(load_config(None, by_hand, preset="word_problems"))
+    assert mine["reward_model"]["rule_weight"] == 0.0 and mine["algorithm"]["adv_estimator"] == "grpo"
 
 
 @pytest.mark.parametrize("name", sorted(OWN_METRICS))
