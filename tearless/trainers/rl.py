@@ -121,12 +121,7 @@ class RLTrainer:
         # measures no GPU, and announce_memory checks none).
         driver_device = resolve_device(t.device)
         self.plan = resolve_auto(
-            cfg,
-            build_plan(cfg, files, self.total_steps),
-            files.model_path,
-            files.teacher_path,
-            gpu=driver_device == "cuda",
-            log=log,
+            cfg, build_plan(cfg, files, self.total_steps), gpu=driver_device == "cuda", log=log
         )
         self.health = StepHealth(cfg, self.plan.response_length, self.total_steps, log)
         announce_memory(cfg, files.model_path, driver_device, self.log, files.teacher_path, plan=self.plan)
