@@ -58,7 +58,6 @@ def resolve_files(cfg: Config, log: Callable[[str], None]) -> RunFiles:
     )
 
 
-
 def run_fingerprints(cfg: Config, files: RunFiles) -> dict[str, Any]:
     """The files the run reads, by content (kept in checkpoints, compared on resume): a model or data
     file rewritten at the same path makes another run."""
