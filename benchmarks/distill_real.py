@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_model import GREEDY, cli, offline_work  # noqa: E402
+from real_model import GREEDY, cli, offline_work
 
 SAMPLES_PER_STEP = 8 * 8  # the preset's data.train_batch_size × rollout.n
 
@@ -69,7 +69,8 @@ def table(result: dict) -> str:
         cells = []
         for n in names:
             q = curves[n][i]
-            cells.append(f"{q['acc']:.3f}" + ("" if q["reverse_kl"] is None else f" (KL {q['reverse_kl']:.3f})"))
+            kl = "" if q["reverse_kl"] is None else f" (KL {q['reverse_kl']:.3f})"
+            cells.append(f"{q['acc']:.3f}{kl}")
         lines.append(f"| {p['samples']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

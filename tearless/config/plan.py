@@ -23,7 +23,8 @@ one from the config again):
 - ``critic_section``: the ``critic`` section with every null (inherit-from-actor) field resolved;
 - ``files``: the run's files (:class:`RunFiles`), resolved by the driver once: the policy's weights
   (a Hub ID as its cached snapshot, or the embedded task's model), the data, the embedded task's tool
-  YAML and the teacher's weights (a snapshot too); None in a plan built without a driver;
+  YAML, the teacher's weights, the LoRA adapter the actor starts from and the critic's weights (each a
+  snapshot too: :func:`adapter_path`, :func:`critic_path`); None in a plan built without a driver;
 - ``source``: what the one source of batches reads (:class:`SourceSettings`), with the run's step
   count and the response cap; None in a plan built without a driver;
 - ``uses_ray``: the run's worker group is Ray's (:func:`~tearless.config.derived.uses_ray`);
@@ -64,6 +65,8 @@ from tearless.config.schema import (
     TrainerConfig,
 )
 from tearless.devices import device_defaults
+from tearless.models.hub import local_model_path
+from tearless.models.loading import check_model_dir
 from tearless.models.precision import compute_dtype
 from tearless.rollout.engine import Capabilities, engine_capabilities
 
@@ -78,14 +81,19 @@ def role_key(role: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RunFiles:
-    """The files of a run: the policy's weights (a local directory), the training and validation data,
-    the embedded task's tool YAML (None without one) and the teacher's weights (None without one)."""
+    """The files of a run, each model a local directory (a Hub ID resolved to its cached snapshot): the
+    policy's weights, the training and validation data, the embedded task's tool YAML (None without
+    one), the teacher's weights (None without one), the LoRA adapter the actor starts from
+    (``model.lora_adapter_path``; None without one) and the critic's weights (``critic.model.path``;
+    None without a critic or when it starts from the policy's)."""
 
     model_path: str
     train_files: Any
     val_files: Any
     tools: str | None
     teacher_path: str | None
+    lora_adapter_path: str | None = None
+    critic_path: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +263,24 @@ class RunPlan:
             return False
         actor = compute_dtype(self.param_dtype("actor"), device, role_key("actor"), warn=False)
         return self.hybrid_rollout_dtype(device, warn=False) != actor
+
+
+def adapter_path(cfg: Config) -> str | None:
+    """The LoRA adapter a LoRA actor starts from, for :attr:`RunFiles.lora_adapter_path`: the driver's
+    ``model.lora_adapter_path``, a Hub ID as its cached snapshot (downloaded unless offline); None
+    without one, or when the actor has no LoRA."""
+    m = cfg.actor_rollout_ref.model
+    if not m.lora_adapter_path or m.lora_rank == 0:
+        return None
+    return local_model_path(m.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path")
+
+
+def critic_path(cfg: Config) -> str | None:
+    """The critic's weights, for :attr:`RunFiles.critic_path`: the driver's ``critic.model.path``, a Hub
+    ID as its cached snapshot; None when it is null (the critic starts from the policy's weights) or the
+    run has no critic (the path is never read, nor downloaded)."""
+    path = cfg.critic.model.path
+    return str(check_model_dir(path, "critic.model.path")) if path and critic_enabled(cfg) else None
 
 
 def critic_section(cfg: Config) -> CriticConfig:

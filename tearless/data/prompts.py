@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tearless.data.rows import DataError, normalize_row
+from tearless.rollout.multiturn import cut_tokens
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
 # Seconds the first render of a chat template may take (two short conversations take milliseconds).
@@ -220,21 +221,15 @@ def render_prompt(
 
 
 def truncate(ids: list[int], max_length: int, mode: str) -> list[int]:
-    """Cut ``ids`` to ``max_length``: ``left`` keeps the tail, ``right`` the head, ``middle`` both ends.
+    """Cut ``ids`` to ``max_length`` (:func:`~tearless.rollout.multiturn.cut_tokens`): ``left`` keeps the
+    tail, ``right`` the head, ``middle`` both ends.
 
     ``middle`` keeps the first ``max_length // 2`` tokens and the last ``max_length - max_length // 2``,
     so the instruction at the start and the question at the end both survive.
     """
-    if len(ids) <= max_length:
-        return ids
-    if mode == "left":
-        return ids[len(ids) - max_length :]
-    if mode == "right":
-        return ids[:max_length]
-    if mode == "middle":
-        head = max_length // 2
-        return ids[:head] + ids[len(ids) - (max_length - head) :]
-    raise DataError(f"data.truncation={mode!r} cannot cut a prompt; use one of left, right, middle")
+    if len(ids) > max_length and mode not in ("left", "right", "middle"):
+        raise DataError(f"data.truncation={mode!r} cannot cut a prompt; use one of left, right, middle")
+    return cut_tokens(ids, max_length, mode)
 
 
 class PromptDataset:

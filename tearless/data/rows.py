@@ -211,6 +211,27 @@ def _lookup(row: dict, dotted: str) -> Any:
     return value
 
 
+def chat_messages(value: list, *, where: str, column: str) -> list[dict]:
+    """``value`` (the list in ``column``) as chat messages: each a dict with string ``role`` and
+    ``content``, keys whose value is ``None`` dropped (parquet structs fill absent keys with nulls); a
+    :class:`DataError` naming the row and the message otherwise."""
+    messages = []
+    for j, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise DataError(
+                f'{where}: {column}[{j}] must be a message like {{"role": "user", "content": "..."}}, '
+                f"got {message!r:.80}"
+            )
+        message = {k: v for k, v in message.items() if v is not None}
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise DataError(
+                    f"{where}: {column}[{j}] needs a string {key!r}; the message has keys {sorted(message)}"
+                )
+        messages.append(message)
+    return messages
+
+
 def _normalize_prompt(prompt: Any, where: str) -> list[dict]:
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -222,17 +243,7 @@ def _normalize_prompt(prompt: Any, where: str) -> list[dict]:
             f"{where}: prompt must be a non-empty list of chat messages like {example} (or a string), "
             f"got {prompt!r:.80}"
         )
-    messages = []
-    for j, message in enumerate(prompt):
-        if not isinstance(message, dict):
-            raise DataError(f"{where}: prompt[{j}] must be a message like {example}, got {message!r:.80}")
-        message = {k: v for k, v in message.items() if v is not None}
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise DataError(
-                    f"{where}: prompt[{j}] needs a string {key!r}; the message has keys {sorted(message)}"
-                )
-        messages.append(message)
+    messages = chat_messages(prompt, where=where, column="prompt")
     if not any(m["content"].strip() for m in messages):
         raise DataError(f"{where}: empty prompt; every message's content is blank: give the question in one")
     return messages

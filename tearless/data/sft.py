@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tearless.data.prompts import TRUNCATION_MODES, render_prompt, truncate
-from tearless.data.rows import BuiltItems, DataError, located_rows
+from tearless.data.rows import BuiltItems, DataError, chat_messages, located_rows
 
 
 def read_records(path: str | os.PathLike) -> list[tuple[str, dict]]:
@@ -74,18 +74,7 @@ def as_messages(value: Any, *, where: str, column: str, role: str) -> list[dict]
     example = f'"..." or [{{"role": "{role}", "content": "..."}}]'
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: column {column!r} must be {example}, got {value!r:.80}")
-    messages = []
-    for j, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise DataError(f"{where}: {column}[{j}] must be a chat message, got {message!r:.80}")
-        message = {k: v for k, v in message.items() if v is not None}
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise DataError(
-                    f"{where}: {column}[{j}] needs a string {key!r}; the message has keys {sorted(message)}"
-                )
-        messages.append(message)
-    return messages
+    return chat_messages(value, where=where, column=column)
 
 
 def require(row: dict, column: str, *, where: str, needs: str) -> Any:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from tearless.envs.base import load_object
@@ -27,7 +27,7 @@ from tearless.envs.endpoint import Endpoint, Session
 from tearless.envs.loop import env_scores, episode_row
 from tearless.rollout.agent import AgentSettings
 from tearless.rollout.engine import RolloutOutput
-from tearless.rollout.multiturn import AgentRollout, Scores, agent_metrics, pack, trajectory_keys
+from tearless.rollout.multiturn import AgentRollout, RewardingLoop, Scores, agent_metrics, pack
 from tearless.rollout.toolcalls import detect_family
 
 
@@ -48,7 +48,7 @@ def _reward(value: Any) -> tuple[float, bool | None]:
     return float(value), None
 
 
-class ProgramLoop:
+class ProgramLoop(RewardingLoop):
     """Generates episodes by running an agent program per episode (see the module docstring); a
     :class:`~tearless.rollout.multiturn.RewardingLoop`: the agents own the reward."""
 
@@ -69,24 +69,16 @@ class ProgramLoop:
         self.family = tool_family or detect_family(getattr(tokenizer, "chat_template", None))
         self.endpoint: Endpoint | None = None
 
-    def generate(
-        self,
-        items: list[dict],
-        *,
-        n: int = 1,
-        max_new_tokens: int = 64,
-        keys: Sequence[int] | None = None,
-        **sampling: Any,
+    def trajectories(
+        self, items: list[dict], n: int, keys: list[int], limit: int, sampling: dict[str, Any]
     ) -> AgentRollout:
-        """``n`` episodes per item (rows of an item adjacent), each at most ``max_new_tokens``
-        response tokens; episode j of item i seeds its call c with ``mix(mix(keys[i], j), c)``."""
+        """``n`` episodes per item, each at most ``limit`` response tokens
+        (:meth:`~tearless.rollout.multiturn.MultiTurnLoop.trajectories`); an episode's session seeds its
+        call c with ``mix(key, c)``."""
         if self.endpoint is None:
             self.endpoint = Endpoint(self.engine, self.tokenizer, family=self.family)
         expanded = [it for it in items for _ in range(n)]
-        sids = [
-            self.endpoint.open_session(k, max_new_tokens, sampling)
-            for k in trajectory_keys(keys, len(items), n)
-        ]
+        sids = [self.endpoint.open_session(k, limit, sampling) for k in keys]
         rows = [episode_row(it) for it in expanded]
         calls = [
             self._episode(self.endpoint.session_url(sid), row) for sid, row in zip(sids, rows, strict=True)

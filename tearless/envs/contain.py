@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tearless.tools.execute import in_daemon_thread
+from tearless.tools.execute import gated, in_daemon_thread
 
 
 @dataclass
@@ -54,9 +54,4 @@ def run_contained(
     """The outcomes of ``calls`` in order, run on ``loop`` (see the module docstring)."""
     if not calls:
         return []
-
-    async def main() -> list[Outcome]:
-        gate = asyncio.Semaphore(max_parallel)
-        return list(await asyncio.gather(*(_contained(c, gate, timeout_s, what) for c in calls)))
-
-    return loop.run_until_complete(main())
+    return gated(loop, [lambda gate, c=c: _contained(c, gate, timeout_s, what) for c in calls], max_parallel)

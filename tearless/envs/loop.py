@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,13 +41,13 @@ from tearless.rollout.engine import RolloutOutput
 from tearless.rollout.multiturn import (
     AgentRollout,
     Reply,
+    RewardingLoop,
     Scores,
     TokenTrajectory,
     Turn,
     TurnLoop,
     agent_metrics,
     pack,
-    trajectory_keys,
 )
 from tearless.rollout.toolcalls import detect_family, parse_tool_calls
 
@@ -98,7 +98,7 @@ def _call(fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
 
 
-class EnvLoop(TurnLoop):
+class EnvLoop(TurnLoop, RewardingLoop):
     """Generates episodes of ``factory``'s environments with an engine (see the module docstring).
 
     A :class:`~tearless.rollout.multiturn.RewardingLoop`: the environments own the reward
@@ -132,27 +132,19 @@ class EnvLoop(TurnLoop):
             self._renderers[key] = ChatRenderer(self.tokenizer, tools)
         return self._renderers[key]
 
-    def generate(
-        self,
-        items: list[dict],
-        *,
-        n: int = 1,
-        max_new_tokens: int = 64,
-        keys: Sequence[int] | None = None,
-        **sampling: Any,
+    def trajectories(
+        self, items: list[dict], n: int, keys: list[int], limit: int, sampling: dict[str, Any]
     ) -> AgentRollout:
-        """``n`` episodes per item (rows of an item adjacent), each at most ``max_new_tokens`` response
-        tokens. Episode j of item i samples turn t with the key ``mix(mix(keys[i], j), t)``."""
+        """``n`` episodes per item, each at most ``limit`` response tokens
+        (:meth:`~tearless.rollout.multiturn.MultiTurnLoop.trajectories`)."""
         episodes = [
             Episode(row=episode_row(it), fallback_prompt=list(it.get("input_ids") or []), key=k)
-            for it, k in zip(
-                [it for it in items for _ in range(n)], trajectory_keys(keys, len(items), n), strict=True
-            )
+            for it, k in zip([it for it in items for _ in range(n)], keys, strict=True)
         ]
         self._events = asyncio.new_event_loop()
         try:
             self._reset(episodes)
-            self.run_turns(episodes, max_new_tokens, sampling)
+            self.run_turns(episodes, limit, sampling)
             self._close(episodes)
         finally:
             self._events.close()

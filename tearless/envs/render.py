@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tearless.rollout.agent import cut_tokens
+from tearless.rollout.multiturn import cut_tokens
 
 _BASE = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
 

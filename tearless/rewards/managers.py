@@ -78,6 +78,19 @@ class _Manager:
         self.close()
 
 
+class _Wrapper(_Manager):
+    """A manager over an ``inner`` one: its workers and their release are the inner manager's."""
+
+    inner: Any
+
+    @property
+    def lost_workers(self) -> int:
+        return self.inner.lost_workers
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class BatchRewardManager(_Manager):
     """Scores a whole batch with one call; if the call raises, every sample of it fails."""
 
@@ -128,7 +141,7 @@ class BatchRewardManager(_Manager):
         return [ScoreResult.from_outcome(check_value(v), self.failure_score) for v in values]
 
 
-class OverlongPenaltyManager(_Manager):
+class OverlongPenaltyManager(_Wrapper):
     """DAPO's overlong soft penalty on top of another manager (see the module docs).
 
     Each result's extras gain ``acc`` (the inner ``acc``, else whether the unpenalised score was
@@ -171,13 +184,6 @@ class OverlongPenaltyManager(_Manager):
                 extra.update(overlong_reward=penalty, overlong=float(penalty < 0))
             shaped.append(ScoreResult(result.score + penalty, extra, result.error, result.steps))
         return shaped
-
-    @property
-    def lost_workers(self) -> int:
-        return self.inner.lost_workers
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 class ModelRewardManager(_Manager):
@@ -262,7 +268,7 @@ class JudgeRewardManager(ModelRewardManager):
         super().close()
 
 
-class ProcessRewardManager(_Manager):
+class ProcessRewardManager(_Wrapper):
     """The inner manager's outcome scores, with a process reward model's step scores as their steps.
 
     Extras gain ``prm_step_mean`` (the mean step score of the response; absent without steps).
@@ -284,13 +290,6 @@ class ProcessRewardManager(_Manager):
                 extra["prm_step_mean"] = sum(scores) / len(scores)
             results.append(ScoreResult(outcome.score, extra, outcome.error, (scores, ends)))
         return results
-
-    @property
-    def lost_workers(self) -> int:
-        return self.inner.lost_workers
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 def reward_config_problems(reward_model: Any, max_response_length: int) -> list[tuple[str, str, str]]:

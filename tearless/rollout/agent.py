@@ -33,20 +33,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tearless.rollout.engine import RolloutEngine
 from tearless.rollout.multiturn import (
     AgentRollout,
+    MultiTurnLoop,
     Reply,
     TokenTrajectory,
     Turn,
     TurnLoop,
     agent_metrics,
+    cut_tokens,
     pack,
-    trajectory_keys,
 )
 from tearless.rollout.toolcalls import tag_blocks, too_many_calls
 from tearless.tools import ToolCall, ToolLike, function_schema, run_calls
@@ -73,18 +73,6 @@ class AgentSettings:
     @classmethod
     def from_config(cls, mt: Any) -> AgentSettings:
         return cls(**{f: getattr(mt, f) for f in cls.__dataclass_fields__})
-
-
-def cut_tokens(ids: list[int], limit: int, side: str) -> list[int]:
-    """``ids`` cut to ``limit`` tokens: ``left`` keeps the end, ``right`` the start, ``middle`` both ends."""
-    if len(ids) <= limit:
-        return ids
-    if side == "left":
-        return ids[len(ids) - limit :]
-    if side == "right":
-        return ids[:limit]
-    head = limit // 2
-    return ids[:head] + ids[len(ids) - (limit - head) :]
 
 
 @dataclass
@@ -257,7 +245,7 @@ class _Trajectory(TokenTrajectory):
     calls: list[dict] = field(default_factory=list)
 
 
-class AgentLoop(TurnLoop):
+class AgentLoop(TurnLoop, MultiTurnLoop):
     """Multi-turn generation over a rollout engine whose capabilities include ``multi_turn`` (see the
     module docstring); a :class:`~tearless.rollout.multiturn.MultiTurnLoop` whose trajectories the
     run's reward manager scores, and a :class:`~tearless.rollout.multiturn.TurnLoop` that answers a turn
@@ -276,28 +264,18 @@ class AgentLoop(TurnLoop):
         self.stops = [list(tokenizer.encode(s, add_special_tokens=False)) for s in self.fmt.stops]
         self.eos = set(engine.eos.tolist())
 
-    def generate(
-        self,
-        items: list[dict],
-        *,
-        n: int = 1,
-        max_new_tokens: int = 64,
-        keys: Sequence[int] | None = None,
-        **sampling: Any,
+    def trajectories(
+        self, items: list[dict], n: int, keys: list[int], limit: int, sampling: dict[str, Any]
     ) -> AgentRollout:
-        """``n`` trajectories per item (rows of an item adjacent), each at most ``max_new_tokens``
-        response tokens (model and tool tokens together). ``sampling`` goes to the engine.
-
-        ``keys`` (one per item, :mod:`tearless.rollout.seeds`): trajectory j of item i samples turn t
-        with the key ``mix(mix(keys[i], j), t)``, so it draws the same tokens in any batch."""
+        """``n`` trajectories per item, model and tool tokens together at most ``limit``
+        (:meth:`~tearless.rollout.multiturn.MultiTurnLoop.trajectories`); ``sampling`` and the format's
+        stop sequences go to the engine."""
         prompts = [self.fmt.prompt_ids(it) for it in items]
         rows = [
             _Trajectory(prompt=list(p), key=k)
-            for p, k in zip(
-                [p for p in prompts for _ in range(n)], trajectory_keys(keys, len(items), n), strict=True
-            )
+            for p, k in zip([p for p in prompts for _ in range(n)], keys, strict=True)
         ]
-        self.run_turns(rows, max_new_tokens, {"stop_sequences": self.stops, **sampling})
+        self.run_turns(rows, limit, {"stop_sequences": self.stops, **sampling})
         return self._assemble(rows)
 
     def respond(self, active: list[_Trajectory], turns: list[Turn]) -> list[Reply]:

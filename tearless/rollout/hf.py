@@ -117,8 +117,9 @@ class HFRollout:
             device = compute_device(self.model)
             with forward_only(device, self.compute_dtype), autocast(device, self.compute_dtype):
                 static = device.type == "cuda" if self.static_loop is None else self.static_loop
+                draws = uniforms(sample_keys(keys, n), max_new_tokens) if do_sample else None
+                sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
                 if static and between_tokens is None:  # the GPU loop: no host read per token
-                    draws = uniforms(sample_keys(keys, n), max_new_tokens) if do_sample else None
                     tokens, logps, ents, mask, finished, versions = decode_static(
                         self.model,
                         prompt_ids,
@@ -127,24 +128,14 @@ class HFRollout:
                         max_new_tokens,
                         pad_token_id=self.pad_token_id,
                         eos=self.eos,
-                        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p),
+                        sampling=sampling,
                         stop_sequences=stop_sequences,
                         version=version,
                         graphs=self.cuda_graphs,
                     )
                 else:
                     tokens, logps, ents, mask, finished, versions = self._decode(
-                        prompts,
-                        n,
-                        max_new_tokens,
-                        temperature,
-                        top_p,
-                        top_k,
-                        do_sample,
-                        keys,
-                        stop_sequences,
-                        version,
-                        between_tokens,
+                        prompts, n, max_new_tokens, draws, sampling, stop_sequences, version, between_tokens
                     )
         finally:
             self.model.train(was_training)
@@ -176,20 +167,19 @@ class HFRollout:
 
     def _decode(
         self,
-        prompts,
-        n,
-        max_new_tokens,
-        temperature,
-        top_p,
-        top_k,
-        do_sample,
-        keys,
-        stop_sequences,
-        version=0,
-        between_tokens=None,
-    ):
+        prompts: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        draws: torch.Tensor | None,
+        sampling: dict[str, float],
+        stop_sequences: list[list[int]] | None,
+        version: int,
+        between_tokens: Callable[[], int | None] | None,
+    ) -> tuple[torch.Tensor, ...]:
         """The decode loop: (B, T) tokens, log-probs, entropies, mask and token versions and the (B,)
-        EOS flags, T ≤ max_new_tokens.
+        EOS flags, T ≤ max_new_tokens. It takes what :func:`~tearless.rollout.static_decode.decode_static`
+        takes: ``draws`` (B, max_new_tokens) the samples' uniforms (None: greedy) and ``sampling`` the
+        temperature, top-k and top-p.
 
         The model forwards one row per distinct token history, not one per sample: a prompt's n
         samples share their history until they draw different tokens. ``owner`` maps each live output
@@ -207,7 +197,7 @@ class HFRollout:
         """
         device = compute_device(self.model)
         ids, attn = (t.to(device) for t in left_pad(prompts, self.pad_token_id))
-        draws = uniforms(sample_keys(keys, n), max_new_tokens).to(device) if do_sample else None
+        draws = None if draws is None else draws.to(device)
         eos = self.eos.to(device)
         stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
         logits, cache, attn, next_pos = self._prefill(ids, attn, ids.shape[1] + max_new_tokens)
@@ -223,9 +213,9 @@ class HFRollout:
         width = 0
         shared = n > 1  # False once every live sample has its own model row (rows never merge)
         for t in range(max_new_tokens):
-            u = draws[rows, t] if do_sample else None
+            u = draws[rows, t] if draws is not None else None
             tok, logps[rows, t], ents[rows, t] = sample_step(
-                logits, owner, u, temperature=temperature, top_k=top_k, top_p=top_p, distinct=not shared
+                logits, owner, u, **sampling, distinct=not shared
             )
             tokens[rows, t] = tok
             mask[rows, t] = 1

@@ -30,7 +30,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Any, TypedDict
 
 import torch
 
@@ -67,14 +67,16 @@ class AgentRollout:
     metrics: dict[str, float]
 
 
-@runtime_checkable
-class MultiTurnLoop(Protocol):
+class MultiTurnLoop(ABC):
     """A loop that generates whole trajectories: ``generate`` gives ``n`` of them per item (rows of an
     item adjacent), each at most ``max_new_tokens`` response tokens (model and environment tokens
     together); trajectory j of item i samples its t-th call with the key ``mix(mix(keys[i], j), t)``
-    (:mod:`tearless.rollout.seeds`). ``owns_reward`` is ``False``: the run's reward manager scores."""
+    (:mod:`tearless.rollout.seeds`). ``owns_reward`` is ``False``: the run's reward manager scores.
 
-    owns_reward: bool
+    ``generate`` keeps that contract once, for every loop: it gives each trajectory its key and a
+    loop implements :meth:`trajectories`."""
+
+    owns_reward: bool = False
 
     def generate(
         self,
@@ -84,16 +86,30 @@ class MultiTurnLoop(Protocol):
         max_new_tokens: int = 64,
         keys: Sequence[int] | None = None,
         **sampling: Any,
-    ) -> AgentRollout: ...
+    ) -> AgentRollout:
+        """``n`` trajectories per item; ``keys`` one per item (fresh random ones when None), ``sampling``
+        to the engine."""
+        return self.trajectories(items, n, trajectory_keys(keys, len(items), n), max_new_tokens, sampling)
+
+    @abstractmethod
+    def trajectories(
+        self, items: list[dict], n: int, keys: list[int], limit: int, sampling: dict[str, Any]
+    ) -> AgentRollout:
+        """``n`` trajectories per item (rows of an item adjacent), trajectory j of item i keyed
+        ``keys[i * n + j]`` (its t-th call samples with ``mix(key, t)``), each at most ``limit``
+        response tokens; ``sampling`` goes to the engine."""
 
 
-@runtime_checkable
-class RewardingLoop(MultiTurnLoop, Protocol):
+class RewardingLoop(MultiTurnLoop):
     """A :class:`MultiTurnLoop` whose episodes earn their own rewards (``owns_reward`` is ``True``):
     ``score`` gives the rank's :class:`Scores` from ``generate``'s rollout and rows, no reward
     manager involved."""
 
-    def score(self, tokenizer: Any, out: RolloutOutput, info: list[dict]) -> Scores: ...
+    owns_reward = True
+
+    @abstractmethod
+    def score(self, tokenizer: Any, out: RolloutOutput, info: list[dict]) -> Scores:
+        """The rank's :class:`Scores` of ``out`` and its rows ``info``."""
 
 
 @dataclass(kw_only=True)
@@ -134,6 +150,19 @@ class TokenTrajectory:
         self.ids += tokens
         self.mask += [0] * len(tokens)
         self.logps += [0.0] * len(tokens)
+
+
+def cut_tokens(ids: list[int], limit: int, side: str) -> list[int]:
+    """``ids`` cut to ``limit`` tokens: ``left`` keeps the end, ``right`` the start, ``middle`` both ends
+    (the first ``limit // 2`` tokens and the last ``limit - limit // 2``)."""
+    if len(ids) <= limit:
+        return ids
+    if side == "left":
+        return ids[len(ids) - limit :]
+    if side == "right":
+        return ids[:limit]
+    head = limit // 2
+    return ids[:head] + ids[len(ids) - (limit - head) :]
 
 
 def trajectory_keys(keys: Sequence[int] | None, n_items: int, n: int) -> list[int]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from tearless.tools.base import ToolLike, argument_problem
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -60,6 +62,21 @@ def in_daemon_thread(loop: asyncio.AbstractEventLoop, fn: Callable[[], Any]) -> 
     return future
 
 
+def gated(
+    loop: asyncio.AbstractEventLoop,
+    jobs: list[Callable[[asyncio.Semaphore], Awaitable[T]]],
+    max_parallel: int,
+) -> list[T]:
+    """The results of ``jobs``, in order: each ``job(gate)`` runs concurrently on ``loop``, and at most
+    ``max_parallel`` of them hold the shared ``gate`` (a semaphore) at once."""
+
+    async def main() -> list[T]:
+        gate = asyncio.Semaphore(max_parallel)
+        return list(await asyncio.gather(*(job(gate) for job in jobs)))
+
+    return loop.run_until_complete(main())
+
+
 async def _one(
     call: ToolCall, tools: dict[str, ToolLike], gate: asyncio.Semaphore, timeout_s: float
 ) -> ToolResult:
@@ -91,13 +108,8 @@ def run_calls(
     """Results of ``calls``, in order (see the module docstring)."""
     if not calls:
         return []
-
-    async def main() -> list[ToolResult]:
-        gate = asyncio.Semaphore(max_parallel)
-        return list(await asyncio.gather(*(_one(c, tools, gate, timeout_s) for c in calls)))
-
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(main())
+        return gated(loop, [lambda gate, c=c: _one(c, tools, gate, timeout_s) for c in calls], max_parallel)
     finally:
         loop.close()

@@ -32,7 +32,7 @@ from tearless.rewards.manager import load_reward_function
 from tearless.rollout.hf import HFRollout
 from tearless.run import checkpoint as ckpt
 from tearless.run.tracking import Tracker, truncate_jsonl
-from tearless.trainers.progress import Progress, run_tracker
+from tearless.trainers.progress import Progress, run_tracker, say_if_complete
 from tearless.workers.optim import adamw, lr_schedule
 
 KEY_METRICS = {"train/loss": "loss", "rewards/accuracies": "acc", "train/grad_norm": "grad", "train/lr": "lr"}
@@ -201,11 +201,8 @@ def fit(trainer: OfflineTrainer) -> dict[str, Any]:
             summary["before"] = trainer.validate()
             tracker.log(summary["before"], 0)
             tracker.write(format_val("before training", summary["before"]))
-        if trainer.start_step >= trainer.total_steps:
-            tracker.write(
-                f"the run in {trainer.run_dir} is already complete ({trainer.start_step} steps); set "
-                "trainer.resume_mode=disable or another trainer.experiment_name to train again"
-            )
+        again = "set trainer.resume_mode=disable or another trainer.experiment_name"
+        say_if_complete(tracker, trainer.run_dir, trainer.start_step, trainer.total_steps, again)
         step = trainer.start_step
         while step < trainer.total_steps:
             epoch, i = divmod(step, trainer.loader.num_batches)

@@ -33,6 +33,13 @@ def run_tracker(run_dir: str | os.PathLike, cfg: Any, *, total_steps: int, **kwa
     )
 
 
+def say_if_complete(tracker: Tracker, run_dir: Any, start_step: int, total_steps: int, again: str) -> None:
+    """A resumed run with no step left says so (and how to train ``again``) instead of ending silently."""
+    if start_step >= total_steps:
+        done = f"the run in {run_dir} is already complete ({start_step} steps)"
+        tracker.write(f"{done}; {again} to train again")
+
+
 class Progress:
     """``Progress(log, "validation, greedy", total, "prompts")``; call :meth:`update` after each batch."""
 

@@ -54,7 +54,7 @@ from tearless.run.tracking import restore_record, truncate_jsonl
 from tearless.trainers import runlock
 from tearless.trainers.health import StepHealth
 from tearless.trainers.metrics import data_metrics, distill_metrics, zero_variance_group_ratio
-from tearless.trainers.progress import run_tracker
+from tearless.trainers.progress import run_tracker, say_if_complete
 from tearless.trainers.records import ROLLOUTS_FILE, append_step, step_records, truncate_records
 from tearless.trainers.returns import advantages, token_rewards
 from tearless.trainers.reward_errors import RewardErrors
@@ -121,12 +121,7 @@ class RLTrainer:
         # measures no GPU, and announce_memory checks none).
         driver_device = resolve_device(t.device)
         self.plan = resolve_auto(
-            cfg,
-            build_plan(cfg, files, self.total_steps),
-            files.model_path,
-            files.teacher_path,
-            gpu=driver_device == "cuda",
-            log=log,
+            cfg, build_plan(cfg, files, self.total_steps), gpu=driver_device == "cuda", log=log
         )
         self.health = StepHealth(cfg, self.plan.response_length, self.total_steps, log)
         announce_memory(cfg, files.model_path, driver_device, self.log, files.teacher_path, plan=self.plan)
@@ -400,11 +395,8 @@ class RLTrainer:
             if t.val_only:
                 summary.update(seconds=time.perf_counter() - started, steps=self.start_step)
                 return summary
-            if self.start_step >= self.total_steps:
-                tracker.write(
-                    f"the run in {self.run_dir} is already complete ({self.start_step} steps); use another "
-                    "trainer.experiment_name (or trainer.default_local_dir) to train again"
-                )
+            again = "use another trainer.experiment_name (or trainer.default_local_dir)"
+            say_if_complete(tracker, self.run_dir, self.start_step, self.total_steps, again)
             step = self.start_step
             while step < self.total_steps:
                 step += 1

@@ -11,7 +11,7 @@ from typing import Any
 
 from tearless.config import Config, resume_compat
 from tearless.config.identity import fingerprint_changes, fingerprints
-from tearless.config.plan import RunFiles
+from tearless.config.plan import RunFiles, adapter_path, critic_path
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.data.prompts import check_same_tokenizer, check_vocabulary
 from tearless.models.loading import check_model_dir, load_tokenizer
@@ -25,7 +25,9 @@ TEACHER_KEY = "actor_rollout_ref.teacher.model.path"
 
 def resolve_files(cfg: Config, log: Callable[[str], None]) -> RunFiles:
     """Model, training and validation data, and tool YAML: the config's, or the embedded task's (made
-    by :func:`~tearless.trainers.warmup.prepare_task` when the config names no model or no data)."""
+    by :func:`~tearless.trainers.warmup.prepare_task` when the config names no model or no data); the
+    teacher's weights, the LoRA adapter and the critic's weights the config names. Every Hub ID becomes
+    its cached snapshot here, once, so every rank and engine reads one directory."""
     model_path, train_files, val_files = (
         cfg.actor_rollout_ref.model.path,
         cfg.data.train_files,
@@ -45,7 +47,15 @@ def resolve_files(cfg: Config, log: Callable[[str], None]) -> RunFiles:
             train_files, val_files = files.train_file, files.val_file
     teacher = cfg.actor_rollout_ref.teacher.model.path
     teacher_path = str(check_model_dir(teacher, TEACHER_KEY)) if teacher else None
-    return RunFiles(str(model_path), train_files, val_files, tools, teacher_path)
+    return RunFiles(
+        str(model_path),
+        train_files,
+        val_files,
+        tools,
+        teacher_path,
+        lora_adapter_path=adapter_path(cfg),
+        critic_path=critic_path(cfg),
+    )
 
 
 def run_fingerprints(cfg: Config, files: RunFiles) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,28 +160,53 @@ def prepare_prm(
         "steps": steps,
         "version": PRM_VERSION,
     }
-    final = build_dir(cache_dir, f"{spec.key()}-prm", settings)
 
-    def build(tmp: Path) -> dict:
-        log(f"training the chain_addition task's process reward model in {final} (cached)")
-        started = time.perf_counter()
-        policy, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
+    def fit(policy: torch.nn.Module, tokenizer: Any, tmp: Path) -> dict[str, Any]:
         pad = tokenizer.pad_token_id
         kw = dict(samples_per_prompt=samples_per_prompt)
         train = labelled_answers(policy, tokenizer, load_rows(task.train_file), seed=spec.seed, **kw)
         held_out = labelled_answers(policy, tokenizer, load_rows(task.val_file), seed=spec.seed + 1, **kw)
         prm, losses = train_prm(policy, train, pad_token_id=pad, steps=steps, seed=spec.seed)
-        info: dict[str, Any] = {
-            "settings": settings,
+        info = {
             "train_answers": len(train),
             "final_loss": sum(losses[-20:]) / len(losses[-20:]),
             **{f"held_out_{k}": v for k, v in step_accuracy(prm, held_out, pad_token_id=pad).items()},
-            "build_seconds": round(time.perf_counter() - started, 1),
         }
         with quiet_transformers():
             prm.save_pretrained(tmp / "model")
             tokenizer.save_pretrained(tmp / "model")
-        log(f"PRM held-out step accuracy {info['held_out_step_accuracy']:.3f} ({info['build_seconds']} s)")
+        log(f"PRM held-out step accuracy {info['held_out_step_accuracy']:.3f}")
+        return info
+
+    return _cached_prm(
+        spec, task, cache_dir, "prm", "process reward model", settings, fit, fresh=fresh, log=log
+    )
+
+
+def _cached_prm(
+    spec: TaskSpec,
+    task: TaskFiles,
+    cache_dir: str | os.PathLike | None,
+    kind: str,
+    what: str,
+    settings: dict[str, Any],
+    fit: Callable[[torch.nn.Module, Any, Path], dict[str, Any]],
+    *,
+    fresh: bool,
+    log: Callable[[str], None],
+) -> PRMFiles:
+    """A PRM (``what``) of the task's warm-up model, built once in the cache under ``settings``:
+    ``fit(policy, tokenizer, tmp)`` writes ``tmp / "model"`` and returns its metrics, which ``prm.json``
+    keeps after the settings, with the build's seconds."""
+    final = build_dir(cache_dir, f"{spec.key()}-{kind}", settings)
+
+    def build(tmp: Path) -> dict:
+        log(f"training the chain_addition task's {what} in {final} (cached)")
+        started = time.perf_counter()
+        policy, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
+        info = {"settings": settings, **fit(policy, tokenizer, tmp)}
+        info["build_seconds"] = round(time.perf_counter() - started, 1)
+        log(f"{what} trained ({info['build_seconds']} s)")
         return info
 
     return PRMFiles(str(final / "model"), cached_build(final, "prm.json", build, fresh=fresh))
@@ -220,12 +246,8 @@ def prepare_implicit_prm(
         "epochs": epochs,
         "version": PRM_VERSION,
     }
-    final = build_dir(cache_dir, f"{spec.key()}-implicit-prm", settings)
 
-    def build(tmp: Path) -> dict:
-        log(f"training the chain_addition task's implicit PRM in {final} (cached)")
-        started = time.perf_counter()
-        policy, tokenizer = load_causal_lm(task.model_dir), load_tokenizer(task.model_dir)
+    def fit(policy: torch.nn.Module, tokenizer: Any, tmp: Path) -> dict[str, Any]:
         for name, source, seed in (
             ("train", task.train_file, spec.seed),
             ("val", task.val_file, spec.seed + 1),
@@ -248,16 +270,11 @@ def prepare_implicit_prm(
         summary = DPOTrainer(load_config(None, overrides, schema=DPOConfig), log=lambda _: None).fit()
         shutil.move(summary["checkpoint"] + "/actor", tmp / "model")
         shutil.rmtree(tmp / "run")
-        info = {
-            "settings": settings,
-            "held_out_before": summary.get("before", {}),
-            "held_out_after": summary.get("after", {}),
-            "build_seconds": round(time.perf_counter() - started, 1),
-        }
-        log(f"implicit PRM trained ({info['build_seconds']} s)")
-        return info
+        return {"held_out_before": summary.get("before", {}), "held_out_after": summary.get("after", {})}
 
-    return PRMFiles(str(final / "model"), cached_build(final, "prm.json", build, fresh=fresh))
+    return _cached_prm(
+        spec, task, cache_dir, "implicit-prm", "implicit PRM", settings, fit, fresh=fresh, log=log
+    )
 
 
 if __name__ == "__main__":

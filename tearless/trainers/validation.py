@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from tearless.config import Config
-from tearless.config.plan import RunFiles, build_plan
+from tearless.config.plan import RunFiles, adapter_path, build_plan
 from tearless.cpu import configure_cpu
 from tearless.models.loading import check_model_dir
 from tearless.rollout.batch import Rollout
@@ -120,11 +120,11 @@ def evaluate(
     random.seed(t.seed)
     configure_cpu(t.num_threads, t.keep_freed_memory)
     model_path = str(check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path"))
-    files = RunFiles(model_path, None, cfg.data.val_files, None, None)
+    files = RunFiles(model_path, None, cfg.data.val_files, None, None, lora_adapter_path=adapter_path(cfg))
     tokenizer = run_tokenizer(cfg, files)
     val_set = prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log)
     device = resolve_device(t.device)
-    plan = resolve_auto(cfg, build_plan(cfg, files), model_path, None, gpu=device == "cuda", log=log)
+    plan = resolve_auto(cfg, build_plan(cfg, files), gpu=device == "cuda", log=log)
     # One rank that trains no role and generates.
     spec = RankSpec(
         cfg,

@@ -22,7 +22,6 @@ import torch
 from tearless.config.plan import role_key
 from tearless.distributed.fsdp import shard_from_rank0
 from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
-from tearless.models.hub import local_model_path
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
@@ -103,11 +102,7 @@ class ModelBuilder:
             if not lora:
                 return model
 
-            adapter = resume or (
-                local_model_path(m.lora_adapter_path, "actor_rollout_ref.model.lora_adapter_path")
-                if m.lora_adapter_path
-                else None
-            )
+            adapter = resume or (spec.plan.files.lora_adapter_path if spec.plan.files else None)
             if adapter is not None and real:
                 return load_lora(model, adapter, gradient_checkpointing=checkpointing)
             if not real:
@@ -121,10 +116,13 @@ class ModelBuilder:
         return self.shard(build, role)
 
     def value_model(self) -> torch.nn.Module:
-        """The critic's value model: the checkpoint's, ``critic.model.path``'s or the actor's weights."""
+        """The critic's value model: the checkpoint's, ``critic.model.path``'s (the plan's
+        ``files.critic_path``) or the actor's weights."""
         spec = self.spec
         critic = spec.sections.critic.model
-        path = Path(spec.resume_dir) / "critic" if spec.resume_dir else (critic.path or spec.model_path)
+        files = spec.plan.files
+        start = (files.critic_path if files else None) or spec.model_path
+        path = Path(spec.resume_dir) / "critic" if spec.resume_dir else start
 
         def build(real: bool) -> torch.nn.Module:
             return load_value_model(

@@ -295,15 +295,15 @@ def probe_seconds(config: Any, dtype: torch.dtype, phase: str, step: StepShape) 
 _PROBES: dict[str, torch.nn.Module] = {}
 
 
-def resolve_auto(
-    cfg: Config, plan: RunPlan, model_path: str, teacher_path: str | None, *, gpu: bool, log
-) -> RunPlan:
+def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
     """``plan`` with every built role's ``fsdp_config.param_dtype=auto`` (the default for a pretrained
     model) resolved, before any rank is built: bfloat16 on GPU; on CPU the measured choice of
-    :func:`choose_cpu_dtype` for the role's model and this run's step (its batch, prompt and response
-    lengths), once per model. One line per choice; the config keeps its ``auto``."""
-    paths = {"actor": model_path, "ref": model_path, "teacher": teacher_path}
-    paths["critic"] = cfg.critic.model.path or model_path
+    :func:`choose_cpu_dtype` for the role's model (its weights from the plan's ``files``) and this
+    run's step (its batch, prompt and response lengths), once per model. One line per choice; the
+    config keeps its ``auto``."""
+    f = plan.files
+    paths = {"actor": f.model_path, "ref": f.model_path, "teacher": f.teacher_path}
+    paths["critic"] = f.critic_path or f.model_path
     sections = {
         "actor": "actor_rollout_ref.actor",
         "ref": "actor_rollout_ref.ref",

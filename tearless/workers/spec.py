@@ -42,9 +42,10 @@ class RankSpec:
     (an in-process group, :class:`~tearless.workers.group.LocalWorkers`, over a model that a test
     or a benchmark holds; the trainer gives none). ``plan`` holds the facts derived from ``cfg``
     (:mod:`tearless.config.plan`): the trainer's, with ``param_dtype=auto`` measured and the run's
-    files (the teacher's weights, the embedded task's tool YAML); a spec built without one gets
-    :func:`~tearless.config.plan.build_plan`'s of ``cfg``, whose ``auto`` computes as null and which
-    holds no files. ``cfg`` is read only to build that plan; the spec does not keep it."""
+    files (the teacher's weights, the LoRA adapter, the critic's weights, the embedded task's tool
+    YAML); a spec built without one gets :func:`~tearless.config.plan.build_plan`'s of ``cfg``, whose
+    ``auto`` computes as null and which holds no files (a LoRA actor starts from new adapters, the
+    critic from ``model_path``). ``cfg`` is read only to build that plan; the spec does not keep it."""
 
     cfg: dataclasses.InitVar[Config | None]
     roles: tuple[str, ...]

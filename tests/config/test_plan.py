@@ -96,7 +96,8 @@ def test_resolve_auto_on_a_gpu_driver_names_each_section_once(tmp_path):
         "actor_rollout_ref.teacher.fsdp_config.param_dtype=auto",
     )
     lines: list[str] = []
-    plan = resolve_auto(cfg, build_plan(cfg), str(tmp_path), None, gpu=True, log=lines.append)
+    files = RunFiles(str(tmp_path), None, None, None, None)
+    plan = resolve_auto(cfg, build_plan(cfg, files), gpu=True, log=lines.append)
     assert lines == [
         "precision: fsdp_config.param_dtype=auto -> bfloat16 for actor_rollout_ref.actor, "
         "actor_rollout_ref.ref (a GPU: bf16 tensor cores)"
@@ -158,3 +159,34 @@ def test_a_spec_carries_the_plan_not_the_config():
     assert spec.roles == ("actor",)
     with pytest.raises(ValueError, match="needs a plan, or the config"):
         RankSpec(None, ("actor",), False, "unused", 1, "cpu")
+
+
+def test_the_driver_resolves_the_adapter_and_the_critic_into_the_plans_files(tmp_path, monkeypatch, task):
+    """A LoRA adapter and a critic named by Hub ID become their cached snapshots in the driver, once:
+    the plan's files hold the local directories the ranks load; a run without a critic (or without
+    LoRA) resolves neither."""
+    import json
+
+    from tearless.models.hub import add_to_hub_cache
+    from tearless.trainers.setup import resolve_files
+    from tests.conftest import small_overrides
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    adapter_snapshot = add_to_hub_cache(adapter, "org/adapter", commit="a" * 40)
+    critic_snapshot = add_to_hub_cache(task.model_dir, "org/critic", commit="c" * 40)
+    base = [*small_overrides(task, tmp_path / "run"), "critic.model.path=org/critic"]
+    lora = ["actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_adapter_path=org/adapter"]
+
+    files = resolve_files(cfg_of(*base, *lora, "algorithm.adv_estimator=gae"), log=lambda _: None)
+    assert (files.lora_adapter_path, files.critic_path) == (str(adapter_snapshot), str(critic_snapshot))
+    assert build_plan(cfg_of(*base), files).files.critic_path == str(critic_snapshot)
+    # GRPO has no critic: its critic.model.path is never resolved (nor downloaded)
+    assert resolve_files(cfg_of(*base), log=lambda _: None).critic_path is None
+    # a critic without its own path starts from the policy's weights (RunFiles leaves it None)
+    gae = [*small_overrides(task, tmp_path / "run"), "algorithm.adv_estimator=gae"]
+    assert resolve_files(cfg_of(*gae), log=lambda _: None).critic_path is None

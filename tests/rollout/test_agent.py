@@ -15,8 +15,9 @@ import time
 import pytest
 import torch
 
-from tearless.rollout.agent import AgentLoop, AgentSettings, cut_tokens
+from tearless.rollout.agent import AgentLoop, AgentSettings
 from tearless.rollout.hf import HFRollout, RolloutOutput, left_pad
+from tearless.rollout.multiturn import cut_tokens
 from tearless.rollout.seeds import prompt_keys
 from tearless.tasks.multihop import TAGS
 from tearless.tasks.tokenizer import build_char_tokenizer

@@ -110,3 +110,21 @@ def test_metrics_jsonl_is_written_whatever_the_logger_list(tmp_path):
     t.log({"critic/score/mean": 0.5}, 1)
     t.close()
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "critic/score/mean": 0.5}]
+
+
+def test_a_run_with_no_step_left_says_so_and_how_to_train_again():
+    from tearless.trainers.progress import say_if_complete
+
+    class Lines:
+        def __init__(self):
+            self.lines = []
+
+        def write(self, text):
+            self.lines.append(text)
+
+    tracker = Lines()
+    say_if_complete(tracker, "runs/x", 3, 4, "use another name")  # a step is left: silent
+    assert tracker.lines == []
+    say_if_complete(tracker, "runs/x", 4, 4, "use another name")
+    (line,) = tracker.lines
+    assert line == "the run in runs/x is already complete (4 steps); use another name to train again"
