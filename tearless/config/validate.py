@@ -35,6 +35,7 @@ from tearless.config.validate_rollout import validate_sampling, validate_vllm
 from tearless.config.validate_sizes import validate_sizes, validate_update_batches
 from tearless.config.validate_task import validate_forget_carry, validate_task
 from tearless.config.validate_trainer import validate_device_and_loggers, validate_resume
+from tearless.config.validate_vision import validate_vision
 
 
 def validate(cfg: Config) -> None:
@@ -71,3 +72,4 @@ def validate(cfg: Config) -> None:
     validate_step_reward(cfg)
     validate_multi_turn(cfg)
     validate_forget_carry(cfg)
+    validate_vision(cfg)

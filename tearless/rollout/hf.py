@@ -17,6 +17,7 @@ from tearless.models.compat import cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import use_tearless_attention
 from tearless.models.precision import autocast, forward_only
+from tearless.models.vision import stack_pixels
 from tearless.rollout.decode_step import filter_logits, sample_step
 from tearless.rollout.engine import Capabilities, RolloutOutput, concat_rollouts, left_pad, select_rows
 from tearless.rollout.seeds import sample_keys, uniforms
@@ -84,6 +85,7 @@ class HFRollout:
         stop_sequences: list[list[int]] | None = None,
         version: int = 0,
         between_tokens: Callable[[], int | None] | None = None,
+        vision: Sequence[dict[str, torch.Tensor]] | None = None,
     ) -> RolloutOutput:
         """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
 
@@ -104,6 +106,11 @@ class HFRollout:
         response is re-prefilled (prompt + the tokens drawn so far) under the new weights and continues
         from there, keeping the log-probs of the tokens already drawn. ``version`` is the version of
         the weights at the start; ``token_versions`` records each token's.
+
+        ``vision`` (one dict per prompt, :func:`tearless.models.vision.prompt_pixels`) gives a
+        vision-language model each prompt's pixel inputs: every prefill forward of a prompt takes them
+        (its image features replace its image tokens), the decode steps read the cache as for text.
+        Such a call takes the host-driven loop on every device.
         """
         if do_sample and keys is None:
             keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
@@ -117,7 +124,9 @@ class HFRollout:
             device = compute_device(self.model)
             with forward_only(device, self.compute_dtype), autocast(device, self.compute_dtype):
                 static = device.type == "cuda" if self.static_loop is None else self.static_loop
-                if static and between_tokens is None:  # the GPU loop: no host read per token
+                if (
+                    static and between_tokens is None and vision is None
+                ):  # the GPU loop: no host read per token
                     draws = uniforms(sample_keys(keys, n), max_new_tokens) if do_sample else None
                     tokens, logps, ents, mask, finished, versions = decode_static(
                         self.model,
@@ -145,6 +154,7 @@ class HFRollout:
                         stop_sequences,
                         version,
                         between_tokens,
+                        vision,
                     )
         finally:
             self.model.train(was_training)
@@ -160,9 +170,10 @@ class HFRollout:
             token_versions=versions.cpu().clone(),
         )
 
-    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int):
-        """Forward left-padded ``ids`` (rows, L) into a fresh decode cache of ``capacity`` positions;
-        returns (last-position logits in float32, cache, attention mask, next position ids)."""
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int, pixels: dict | None = None):
+        """Forward left-padded ``ids`` (rows, L), with their ``pixels`` (a vision-language model's
+        stacked pixel inputs, one row per row of ``ids``), into a fresh decode cache of ``capacity``
+        positions; returns (last-position logits in float32, cache, attention mask, next position ids)."""
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = decode_cache(self.model.config, capacity)
         out = self.model(
@@ -170,6 +181,7 @@ class HFRollout:
             attention_mask=attn,
             position_ids=positions,
             logits_to_keep=1,
+            **(pixels or {}),
             **cache_kwargs(self.model, cache),
         )
         return out.logits[:, -1, :].float(), cache, attn, positions[:, -1:] + 1
@@ -187,6 +199,7 @@ class HFRollout:
         stop_sequences,
         version=0,
         between_tokens=None,
+        vision=None,
     ):
         """The decode loop: (B, T) tokens, log-probs, entropies, mask and token versions and the (B,)
         EOS flags, T ≤ max_new_tokens.
@@ -210,7 +223,8 @@ class HFRollout:
         draws = uniforms(sample_keys(keys, n), max_new_tokens).to(device) if do_sample else None
         eos = self.eos.to(device)
         stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
-        logits, cache, attn, next_pos = self._prefill(ids, attn, ids.shape[1] + max_new_tokens)
+        pixels = None if vision is None else {k: v.to(device) for k, v in stack_pixels(vision).items()}
+        logits, cache, attn, next_pos = self._prefill(ids, attn, ids.shape[1] + max_new_tokens, pixels)
         batch = len(prompts) * n
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logps = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
@@ -243,7 +257,8 @@ class HFRollout:
                 history = [prompts[int(r) // n] + tokens[r, : t + 1].tolist() for r in rows]
                 ids, attn = (x.to(device) for x in left_pad(history, self.pad_token_id))
                 capacity = ids.shape[1] + max_new_tokens - t - 1
-                logits, cache, attn, next_pos = self._prefill(ids, attn, capacity)
+                row_pixels = None if pixels is None else {k: v[rows // n] for k, v in pixels.items()}
+                logits, cache, attn, next_pos = self._prefill(ids, attn, capacity, row_pixels)
                 owner, shared = torch.arange(len(rows), device=device), False
                 continue
             # The next model rows: one per distinct (model row, token) among the live output rows.

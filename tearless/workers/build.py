@@ -27,6 +27,7 @@ from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
+from tearless.models.vision import freeze_vision_tower, vision_model_type
 from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
@@ -100,6 +101,8 @@ class ModelBuilder:
             model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
             if not trained:
                 model.requires_grad_(False)
+            elif spec.sections.actor.freeze_vision_tower and vision_model_type(path) is not None:
+                freeze_vision_tower(model)
             if not lora:
                 return model
 
