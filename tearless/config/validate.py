@@ -42,6 +42,7 @@ def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
     # First: a loss or estimator the user's modules register must be in the registries checked below.
     import_external_libs(cfg.actor_rollout_ref.model)
+    validate_vision(cfg)  # first: a vision-language run's refusals name what it lacks, not a package
     validate_sizes(cfg)
     validate_update_batches(cfg)
     validate_loss(cfg)
@@ -72,4 +73,3 @@ def validate(cfg: Config) -> None:
     validate_step_reward(cfg)
     validate_multi_turn(cfg)
     validate_forget_carry(cfg)
-    validate_vision(cfg)

@@ -43,6 +43,7 @@ from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import pack_rows, packable, packed_forward
 from tearless.models.precision import autocast_for
+from tearless.models.vision import image_embeddings
 
 
 def sequence_inputs(
@@ -337,17 +338,22 @@ def length_buckets(lengths: list[int], overhead: int) -> list[list[int]]:
 
 def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, pixels=None) -> torch.Tensor:
     """(B, R, V) logits predicting each response token from one pass over every whole sequence (with
-    each row's ``pixels``, a vision-language model's)."""
+    each row's ``pixels``, a vision-language model's, placed by
+    :func:`~tearless.models.vision.image_embeddings`)."""
     ids, mask, positions = sequence_inputs(
         prompt_ids, prompt_mask, response_ids[:, :-1], response_mask[:, :-1]
     )
+    if pixels is None:
+        tokens = {"input_ids": ids}
+    else:  # the image features go to the prompt's image tokens only (image_embeddings)
+        prompt_width = ids.shape[1] - (response_ids.shape[1] - 1)
+        tokens = {"inputs_embeds": image_embeddings(model, ids, pixels, prompt_width)}
     return model(
-        input_ids=ids,
+        **tokens,
         attention_mask=mask,
         position_ids=positions,
         use_cache=False,
         logits_to_keep=response_ids.shape[1],
-        **(pixels or {}),
     ).logits
 
 

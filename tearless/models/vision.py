@@ -137,3 +137,26 @@ def pixel_kwargs(source: Any) -> dict[str, torch.Tensor]:
     """The pixel inputs a forward takes from ``source`` (a batch's TensorDict or a dict): the
     :data:`VISION_KEYS` it holds, nothing for a text-only batch."""
     return {k: source[k] for k in VISION_KEYS if k in source.keys()}
+
+
+def image_embeddings(
+    model: torch.nn.Module, ids: torch.Tensor, pixels: dict[str, torch.Tensor], prompt_width: int
+) -> torch.Tensor:
+    """The language model's input embeddings of ``ids`` (B, L), each row's image features in place of
+    the image tokens among its first ``prompt_width`` columns (its prompt). What the model's own
+    merge does, except that an image token the policy sampled in a response stays a token, as it is
+    in the engine's decode steps (the model's merge would count it as one more image position)."""
+    inner = base_model(model).model
+    embeds = inner.get_input_embeddings()(ids)
+    features = inner.get_image_features(
+        pixels["pixel_values"], pixels.get("pixel_attention_mask")
+    ).pooler_output
+    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    where = (ids == base_model(model).config.image_token_id) & (columns < prompt_width)
+    if int(where.sum()) != features.shape[0]:
+        raise ValueError(
+            f"the prompts hold {int(where.sum())} image tokens but their images give {features.shape[0]} "
+            "features: the prompt ids were not made by this model's processor"
+        )
+    return embeds.masked_scatter(where[..., None], features.to(embeds.dtype))

@@ -110,10 +110,12 @@ class HFRollout:
         ``vision`` (one dict per prompt, :func:`tearless.models.vision.prompt_pixels`) gives a
         vision-language model each prompt's pixel inputs: every prefill forward of a prompt takes them
         (its image features replace its image tokens), the decode steps read the cache as for text.
-        Such a call takes the host-driven loop on every device.
+        Such a call takes the host-driven loop on every device, and no ``between_tokens``.
         """
         if do_sample and keys is None:
             keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        if vision is not None and between_tokens is not None:
+            raise ValueError("partial rollouts (between_tokens) do not take a vision-language model's pixels")
         if keys is not None and len(keys) != len(prompts):
             raise ValueError(f"{len(keys)} sampling keys for {len(prompts)} prompts; give one per prompt")
         was_training = self.model.training
@@ -257,8 +259,7 @@ class HFRollout:
                 history = [prompts[int(r) // n] + tokens[r, : t + 1].tolist() for r in rows]
                 ids, attn = (x.to(device) for x in left_pad(history, self.pad_token_id))
                 capacity = ids.shape[1] + max_new_tokens - t - 1
-                row_pixels = None if pixels is None else {k: v[rows // n] for k, v in pixels.items()}
-                logits, cache, attn, next_pos = self._prefill(ids, attn, capacity, row_pixels)
+                logits, cache, attn, next_pos = self._prefill(ids, attn, capacity)
                 owner, shared = torch.arange(len(rows), device=device), False
                 continue
             # The next model rows: one per distinct (model row, token) among the live output rows.

@@ -36,8 +36,9 @@ OWN_METRICS = {
 # Presets that bring their own task (data, tools) are trained in their own tests:
 # search_r1 in tests/rollout/test_search_r1_train.py; countdown and knights_knaves need a real
 # instruct model and are checked against their data in tests/data/test_make.py; word_problems (and
-# knights_knaves) train SmolLM2-135M-Instruct in tests/test_real_model.py.
-TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "word_problems")
+# knights_knaves) train SmolLM2-135M-Instruct in tests/test_real_model.py; vlm_count's task trains
+# in tests/trainers/test_vlm.py.
+TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "vlm_count", "word_problems")
 
 
 def test_every_shipped_preset_is_covered_and_loads():
