@@ -138,6 +138,11 @@ def prompt_sets(
     through the policy's processor when it is a vision-language model (:func:`run_processor`; the
     datasets' ``processor``, None for a text policy)."""
     processor = run_processor(files)
+    if processor is not None and cfg.actor_rollout_ref.model.use_remove_padding:
+        log(
+            "actor_rollout_ref.model.use_remove_padding: the packed forward does not place image features, "
+            "so this vision-language policy's log-probs take the padded pass"
+        )
     return (
         prompt_set(cfg, "train", files.train_files, tokenizer, reward_fn, log, processor),
         prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log, processor),

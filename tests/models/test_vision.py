@@ -117,3 +117,42 @@ def test_unsupported_architectures_are_refused_with_the_reason():
         "three-dimensional rotary positions (M-RoPE)"
     )
     check_supported("smolvlm")
+
+
+def test_a_smolvlm_takes_the_same_route(tmp_path):
+    """SmolVLM (Idefics3's layout under its own classes): loaded, frozen, sampled and scored alike."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    from tearless.tasks import vlm_count
+
+    tok = vlm_count.task_tokenizer()
+    processor = vlm_count.task_processor(tok)
+    idefics = vlm_count.task_model(tok, num_layers=2, seed=0).config
+    config = SmolVLMConfig(
+        vision_config=idefics.vision_config.to_dict(),
+        text_config=idefics.text_config.to_dict(),
+        scale_factor=vlm_count.SCALE,
+        image_token_id=idefics.image_token_id,
+        tie_word_embeddings=True,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    SmolVLMForConditionalGeneration(config).save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    assert vision_model_type(tmp_path) == "smolvlm"
+    model = load_causal_lm(tmp_path)
+    assert type(model).__name__ == "SmolVLMForConditionalGeneration" and freeze_vision_tower(model) > 0
+    rows, _ = vlm_count.generate_rows(4, seed=3, split="test")
+    data = PromptDataset(rows, load_tokenizer(tmp_path), processor=load_processor(tmp_path))
+    items = [data[i] for i in range(4)]
+    engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    vision = [it["multi_modal_inputs"] for it in items]
+    out = engine.generate(
+        [it["input_ids"] for it in items], n=2, max_new_tokens=4, keys=[1, 2, 3, 4], vision=vision
+    )
+    pixels = stack_pixels([v for v in vision for _ in range(2)])
+    with torch.no_grad():
+        lp, _ = response_logprobs(
+            model, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask, vision=pixels
+        )
+    assert (lp - out.log_probs)[out.response_mask.bool()].abs().max() <= tolerance(model)
