@@ -1,7 +1,8 @@
 """Checks of a vision-language run: what this release trains such a policy with, each refusal one
-line naming the key. The policy reads images (:mod:`tearless.models.vision`) in one process, sampled
-by the built-in engine, trained by a critic-free estimator with full fine-tuning (the vision tower
-frozen by default); the placements, engines and roles below have not been taught to carry pixels."""
+line naming the key. The policy reads images (:mod:`tearless.models.vision`) in one process
+(synchronous or asynchronous), sampled by the built-in engine, trained by a critic-free estimator with
+full fine-tuning (the vision tower frozen by default); the placements, engines and roles below have
+not been taught to carry pixels."""
 
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ def validate_vision(cfg: Config) -> None:
             f"the Ray placement {unsupported} (one process only)",
             "Set trainer.placement=local with trainer.n_gpus_per_node=1.",
         )
-    if cfg.async_training.enable:
-        fail("async_training.enable", f"asynchronous training {unsupported}", "Set it to false.")
+    if cfg.async_training.enable and cfg.async_training.partial_rollout:
+        fail(
+            "async_training.partial_rollout",
+            f"a partial rollout {unsupported} (its re-prefill takes no pixels)",
+            "Set it to false.",
+        )
     if arr.rollout.multi_turn.enable:
         fail(f"{ARR}.rollout.multi_turn.enable", f"the multi-turn loops {unsupported}", "Set it to false.")
     if critic_enabled(cfg):

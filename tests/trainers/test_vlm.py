@@ -8,6 +8,7 @@ import io
 import json
 
 import pytest
+import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
@@ -68,6 +69,29 @@ def test_two_grpo_steps_train_the_language_model_and_leave_the_tower(vlm_task, t
     assert max(m["rollout_corr/max_abs_log_ratio"] for m in steps) < 1e-4
 
 
+def test_one_step_off_async_in_one_process(vlm_task, tmp_path):
+    """async k = 1 in the local placement: each batch sampled one update behind, its pixels in its
+    items; the checkpoint holds no pixels (they are the data's)."""
+    extra = (
+        "async_training.enable=true",
+        "async_training.max_staleness=1",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=3",
+        "algorithm.rollout_correction.rollout_is=token",
+    )
+    assert train(None, vlm_overrides(vlm_task, tmp_path, *extra), log=lambda _: None)["steps"] == 3
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/pg_loss" in m]
+    assert [m["async/staleness_max"] for m in steps] == [0.0, 1.0, 1.0]
+    # The first batch was sampled by the weights that score it: the engine and the pass agree.
+    assert steps[0]["rollout_corr/max_abs_log_ratio"] < 1e-4
+    saved = tmp_path / "global_step_3"
+    assert sorted(p.name for p in saved.iterdir()) == [
+        "COMPLETE", "MANIFEST.json", "actor", "optim", "trainer_state.pt"
+    ]  # fmt: skip
+    assert "pixel" not in str(torch.load(saved / "trainer_state.pt", weights_only=True))
+
+
 def geo3k_rows(n: int) -> list[dict]:
     """Rows as veRL's examples/data_preprocess/geo3k.py writes them (the problem text opens with
     ``<image>``, a PIL image stored by ``datasets`` as ``{"bytes", "path"}``), with drawn diagrams."""
@@ -123,14 +147,17 @@ def test_a_verl_geo3k_parquet_trains_two_steps_unchanged(vlm_task, tmp_path):
             "actor_rollout_ref.rollout.name: vllm is not supported for a",
         ),
         ("trainer.placement=ray", "trainer.placement: the Ray placement is not supported for a vision"),
-        ("async_training.enable=true", "async_training.enable: asynchronous training is not supported"),
+        (
+            "async_training.partial_rollout=true",
+            "async_training.partial_rollout: a partial rollout is not supported for a vision-language",
+        ),
         ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank: LoRA is not supported"),
         ("algorithm.adv_estimator=gae", "critic.enable: a critic is not supported for a vision-language"),
     ],
 )
 def test_what_a_vision_language_run_cannot_have_yet_is_refused(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["task.name=vlm_count", override])
+        load_config(None, ["task.name=vlm_count", "async_training.enable=true", override])
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
