@@ -1,8 +1,8 @@
 """Checks of a vision-language run: what this release trains such a policy with, each refusal one
 line naming the key. The policy reads images (:mod:`tearless.models.vision`) in one process
 (synchronous or asynchronous), sampled by the built-in engine, trained by a critic-free estimator with
-full fine-tuning (the vision tower frozen by default); the placements, engines and roles below have
-not been taught to carry pixels."""
+full fine-tuning (the vision tower frozen by default) or LoRA on the language model; the placements,
+engines and roles below have not been taught to carry pixels."""
 
 from __future__ import annotations
 
@@ -54,5 +54,3 @@ def validate_vision(cfg: Config) -> None:
         fail("critic.enable", f"a critic {unsupported}", "Use a critic-free estimator such as grpo.")
     if distills(cfg):
         fail("algorithm.adv_estimator", f"on_policy_distill {unsupported}", "Use grpo.")
-    if arr.model.lora_rank > 0:
-        fail(f"{ARR}.model.lora_rank", f"LoRA {unsupported}", "Set it to 0 (full fine-tuning).")

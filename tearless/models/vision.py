@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ import torch
 from tearless.models.compat import base_model
 
 VISION_KEYS = ("pixel_values", "pixel_attention_mask")
+# The linear layers of the language model (Llama-style: Idefics3's and SmolVLM's) that "all-linear" means.
+LANGUAGE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SUPPORTED_TYPES = ("idefics3", "smolvlm")
 KEY = "actor_rollout_ref.model.path"
 
@@ -160,3 +163,11 @@ def image_embeddings(
             "features: the prompt ids were not made by this model's processor"
         )
     return embeds.masked_scatter(where[..., None], features.to(embeds.dtype))
+
+
+def language_lora_targets(names: Sequence[str] | str) -> str:
+    """peft's ``target_modules`` for LoRA on the language model only: a regular expression (peft matches
+    a string whole against each module's name) over the modules named ``names`` under ``text_model``,
+    ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower and the connector get no adapter."""
+    chosen = LANGUAGE_LINEAR if names == "all-linear" else names
+    return rf".*\.text_model\..*\.({'|'.join(map(re.escape, chosen))})"

@@ -99,9 +99,10 @@ class ModelBuilder:
             if role == "teacher":  # forward-only like the reference, from its own weights
                 path = spec.plan.files.teacher_path
             model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
+            vision = vision_model_type(path) is not None
             if not trained:
                 model.requires_grad_(False)
-            elif spec.sections.actor.freeze_vision_tower and vision_model_type(path) is not None:
+            elif spec.sections.actor.freeze_vision_tower and vision:
                 freeze_vision_tower(model)
             if not lora:
                 return model
@@ -115,7 +116,9 @@ class ModelBuilder:
                 return load_lora(model, adapter, gradient_checkpointing=checkpointing)
             if not real:
                 torch.manual_seed(0)  # the skeleton's init is discarded; keep it cheap and fixed
+            # A vision-language policy's adapters go on its language model only.
             kw = dict(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules)
+            kw["language_only"] = vision
             if adapter is not None:  # the skeleton of a saved adapter has that adapter's shape
                 saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
                 kw.update(alpha=saved["lora_alpha"], target_modules=saved["target_modules"])

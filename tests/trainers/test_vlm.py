@@ -69,6 +69,17 @@ def test_two_grpo_steps_train_the_language_model_and_leave_the_tower(vlm_task, t
     assert max(m["rollout_corr/max_abs_log_ratio"] for m in steps) < 1e-4
 
 
+def test_lora_goes_on_the_language_model_only(vlm_task, tmp_path):
+    extra = ("actor_rollout_ref.model.lora_rank=8", "algorithm.rollout_correction.rollout_is=token")
+    assert train(None, vlm_overrides(vlm_task, tmp_path, *extra), log=lambda _: None)["steps"] == 2
+    adapter = load_file(tmp_path / "global_step_2" / "actor" / "adapter_model.safetensors")
+    # A and B of q, k, v, o, gate, up, down in each of the 2 language-model layers; none elsewhere.
+    assert len(adapter) == 2 * 7 * 2 and all(".text_model.layers." in name for name in adapter)
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/pg_loss" in m]
+    assert max(m["rollout_corr/max_abs_log_ratio"] for m in steps) < 1e-4  # the peft model reads pixels
+
+
 def test_one_step_off_async_in_one_process(vlm_task, tmp_path):
     """async k = 1 in the local placement: each batch sampled one update behind, its pixels in its
     items; the checkpoint holds no pixels (they are the data's)."""
@@ -151,7 +162,6 @@ def test_a_verl_geo3k_parquet_trains_two_steps_unchanged(vlm_task, tmp_path):
             "async_training.partial_rollout=true",
             "async_training.partial_rollout: a partial rollout is not supported for a vision-language",
         ),
-        ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank: LoRA is not supported"),
         ("algorithm.adv_estimator=gae", "critic.enable: a critic is not supported for a vision-language"),
     ],
 )
