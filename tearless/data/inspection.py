@@ -11,6 +11,7 @@ differs from the prompt's ``<image>`` placeholders) is a problem of its row.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter, defaultdict
@@ -74,7 +75,7 @@ def inspect_file(
     for i, row in rows:
         if str(row["reward_model"]["ground_truth"]).strip() == "":
             issues["empty ground_truth"].append(i)
-        key = json.dumps(row["prompt"], sort_keys=True)
+        key = json.dumps(row["prompt"], sort_keys=True) + _images_digest(row)
         if key in seen:
             issues[f"duplicate prompt (first seen in row {seen[key]})"].append(i)
         seen.setdefault(key, i)
@@ -138,6 +139,20 @@ def _image_sizes(rows: list[tuple[int, dict]], issues: dict) -> list[str]:
     pixels = sorted(sizes, key=lambda wh: wh[0] * wh[1])
     low, mid, high = (f"{w}x{h}" for w, h in (pixels[0], pixels[len(pixels) // 2], pixels[-1]))
     return [f"images: {len(sizes)} in {with_images} rows; sizes smallest {low}, median {mid}, largest {high}"]
+
+
+def _images_digest(row: dict) -> str:
+    """A digest of the row's images (their bytes, else their paths): one text with other images is
+    another prompt. Empty for a text row."""
+    images = row.get("images")
+    if not isinstance(images, list) or not images:
+        return ""
+    digest = hashlib.sha256()
+    for image in images:
+        data = image.get("bytes") if isinstance(image, dict) else None
+        named = image.get("path") if isinstance(image, dict) else image
+        digest.update(data if isinstance(data, bytes) else json.dumps(named, default=str).encode())
+    return digest.hexdigest()
 
 
 def _shown(row: dict) -> dict:

@@ -127,10 +127,11 @@ def test_inspect_reports_image_sizes_and_bad_images(tmp_path):
         row([{"bytes": png((32, 32))}]),
         row([{"bytes": png((40, 20))}, {"bytes": png((8, 8))}], "<image><image>"),
     ]
-    write_parquet([*rows, row([{"bytes": b"junk"}], "<image>junk")], path)
+    other = row([{"bytes": png((32, 32), (0, 0, 255))}])  # row 0's text, another image: not a duplicate
+    write_parquet([*rows, row([{"bytes": b"junk"}], "<image>junk"), other], path)
     report = inspect_file(path, num_rows=1)
-    # Ordered by pixel count: 8x8 (64), 40x20 (800), 32x32 (1024).
-    assert "images: 3 in 2 rows; sizes smallest 8x8, median 40x20, largest 32x32" in report.text
+    # Ordered by pixel count: 8x8 (64), 40x20 (800), 32x32 (1024) twice.
+    assert "images: 4 in 3 rows; sizes smallest 8x8, median 32x32, largest 32x32" in report.text
     assert report.problems == [
         "images[0] (its bytes) is not a decodable image (no image format recognised): 1 rows (2)"
     ]
