@@ -108,8 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--preset",
         help="algorithm preset merged first: ppo, grpo, dr_grpo, dapo, rloo, "
-        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves, word_problems "
-        "(files in tearless/config/presets/)",
+        "reinforce_pp, remax, gspo; task presets: search_r1, countdown, knights_knaves, word_problems, "
+        "vlm_count (files in tearless/config/presets/)",
     )
     train.add_argument(
         "--fresh", action="store_true", help="rebuild the embedded task's cached data and model"

@@ -35,6 +35,17 @@ def task(task_spec, tmp_path_factory):
     return prepare_task(task_spec, cache, log=lambda _: None)
 
 
+@pytest.fixture(scope="session")
+def vlm_task(tmp_path_factory):
+    """The visual counting task (tearless.tasks.vlm_count) at test size: 64 training and 16 held-out
+    rows, its tiny Idefics3 after 5 warm-up steps (the model's numbers, not its skill, are tested)."""
+    from tearless.tasks.bootstrap import TaskSpec
+    from tearless.trainers.warmup import prepare_task
+
+    spec = TaskSpec(name="vlm_count", num_train=64, num_val=16, warmup_steps=5)
+    return prepare_task(spec, tmp_path_factory.mktemp("vlm-task"), log=lambda _: None)
+
+
 def small_overrides(task, run_dir: str | Path, *extra: str) -> list[str]:
     """A fast trainer config on the session task: 8 prompts × 4 responses per step, jsonl only."""
     return [

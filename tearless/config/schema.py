@@ -58,6 +58,12 @@ class DataConfig:
         "Jinja chat template for chat-format prompts when the tokenizer has none (veRL: "
         "actor_rollout_ref.model.custom_chat_template); null = the tokenizer's own",
     )
+    image_key: str = doc(
+        "images",
+        "the column of a row's images (veRL key): a list of {bytes: ...} / {path: ...} / paths, one "
+        "<image> placeholder in the prompt messages per image; read when the policy is a vision-language "
+        "model",
+    )
     apply_chat_template_kwargs: dict = doc(
         {}, "extra keyword arguments of tokenizer.apply_chat_template (e.g. {enable_thinking: false})"
     )
@@ -230,6 +236,11 @@ class ActorConfig:
         False,
         "recompute the softmax of a differentiated entropy (entropy_coeff != 0) in the backward instead "
         "of keeping it (veRL key): the chunked function even when one chunk holds the logits",
+    )
+    freeze_vision_tower: bool = doc(
+        True,
+        "a vision-language policy's image encoder takes no gradient and no optimizer state (veRL key; "
+        "veRL's default is false); the connector and the language model train",
     )
     use_kl_loss: bool = doc(False, "add kl_loss_coef · KL(π‖π_ref) to the loss (GRPO style)")
     kl_loss_coef: float = doc(0.001, "KL loss coefficient")

@@ -35,12 +35,14 @@ from tearless.config.validate_rollout import validate_sampling, validate_vllm
 from tearless.config.validate_sizes import validate_sizes, validate_update_batches
 from tearless.config.validate_task import validate_forget_carry, validate_task
 from tearless.config.validate_trainer import validate_device_and_loggers, validate_resume
+from tearless.config.validate_vision import validate_vision
 
 
 def validate(cfg: Config) -> None:
     """Raise ``ConfigError`` naming the first key that is wrong and how to fix it."""
     # First: a loss or estimator the user's modules register must be in the registries checked below.
     import_external_libs(cfg.actor_rollout_ref.model)
+    validate_vision(cfg)  # first: a vision-language run's refusals name what it lacks, not a package
     validate_sizes(cfg)
     validate_update_batches(cfg)
     validate_loss(cfg)

@@ -12,7 +12,7 @@ from tearless.tasks.chain_addition import RESPONSE_TOKENS, WARMUP_STEPS
 def validate_task(cfg: Config) -> None:
     """Raise ``ConfigError`` for an unknown task, or a chain_addition run whose warm-up is too short to
     learn to add or whose responses cut off the task's worked answers."""
-    one_of("task.name", cfg.task.name, ("arithmetic", "multihop", "chain_addition"))
+    one_of("task.name", cfg.task.name, ("arithmetic", "multihop", "chain_addition", "vlm_count"))
     chain = cfg.data.train_files is None and cfg.task.name == "chain_addition"
     if chain and cfg.task.warmup_steps < WARMUP_STEPS:
         fail(

@@ -272,7 +272,6 @@ RULES: list[Rule] = [
         accept=(None,),
         instead="actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
     ),
-    Rule(f"{ARR}.actor.freeze_vision_tower", "tearless trains text models"),
     Rule(
         f"{ARR}.actor.use_prefix_grouper",
         "prompt sharing is actor_rollout_ref.model.share_prompt_forward (on by default)",
@@ -583,10 +582,14 @@ RULES: list[Rule] = [
                 (False,),
                 "leave it false",
             ),
-            ("image_patch_size", "tearless trains text models", ANY, ""),
-            ("image_key", "tearless trains text models", ANY, ""),
-            ("video_key", "tearless trains text models", ANY, ""),
-            ("return_multi_modal_inputs", "tearless trains text models", ANY, ""),
+            ("image_patch_size", "the model's processor sizes its image patches", ANY, ""),
+            ("video_key", "video inputs are not read (images are: data.image_key)", ANY, ""),
+            (
+                "return_multi_modal_inputs",
+                "an image row's pixel inputs always travel with its prompt",
+                ANY,
+                "",
+            ),
             ("trust_remote_code", "tokenizers load without remote code", ANY, ""),
             ("custom_cls.*", "no custom dataset classes", (None,), "write the rows in veRL's parquet schema"),
             (

@@ -4,11 +4,14 @@ The report gives the schema, the row count, the rows per ``data_source`` with th
 gets, prompt lengths in tokens when a tokenizer is given, a few rows, and every problem found:
 rows that break the schema (missing columns, a prompt that is not a list of messages), empty
 prompts or ground truths, a ``data_source`` with no built-in scorer, duplicate prompts, and prompts
-longer than ``max_prompt_length``.
+longer than ``max_prompt_length``. A multimodal file (an ``images`` column, :mod:`tearless.data.images`)
+gets a line on its images' sizes, and each bad image (undecodable, missing, too large, or a count that
+differs from the prompt's ``<image>`` placeholders) is a problem of its row.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter, defaultdict
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tearless.data.images import row_images
 from tearless.data.prompts import render_prompt
 from tearless.data.rows import DataError, normalize_row, read_raw_rows
 from tearless.rewards import get_scorer
@@ -71,14 +75,15 @@ def inspect_file(
     for i, row in rows:
         if str(row["reward_model"]["ground_truth"]).strip() == "":
             issues["empty ground_truth"].append(i)
-        key = json.dumps(row["prompt"], sort_keys=True)
+        key = json.dumps(row["prompt"], sort_keys=True) + _images_digest(row)
         if key in seen:
             issues[f"duplicate prompt (first seen in row {seen[key]})"].append(i)
         seen.setdefault(key, i)
+    out += _image_sizes(rows, issues)
     if tokenizer is not None and rows:
         out += _lengths(rows, tokenizer, max_prompt_length, issues)
     for i, row in rows[:num_rows]:
-        out.append(f"row {i}: {_clip(json.dumps(row, ensure_ascii=False, default=str))}")
+        out.append(f"row {i}: {_clip(json.dumps(_shown(row), ensure_ascii=False, default=str))}")
     problems = [
         f"{kind}: {len(where)} rows ({_row_list(where)})" if where else kind for kind, where in issues.items()
     ]
@@ -115,6 +120,51 @@ def _lengths(
         if over:
             issues[f"prompt longer than {max_prompt_length} tokens"] = over
     return [line]
+
+
+def _image_sizes(rows: list[tuple[int, dict]], issues: dict) -> list[str]:
+    """The images line (count, rows, width × height range), each bad image an issue of its row."""
+    sizes = []
+    with_images = 0
+    for i, row in rows:
+        try:
+            images = row_images(row, f"row {i}")
+        except DataError as exc:
+            issues[str(exc).removeprefix(f"row {i}: ").split(";")[0]].append(i)
+            continue
+        with_images += images is not None
+        sizes += [image.size for image in images or ()]
+    if not sizes:
+        return []
+    pixels = sorted(sizes, key=lambda wh: wh[0] * wh[1])
+    low, mid, high = (f"{w}x{h}" for w, h in (pixels[0], pixels[len(pixels) // 2], pixels[-1]))
+    return [f"images: {len(sizes)} in {with_images} rows; sizes smallest {low}, median {mid}, largest {high}"]
+
+
+def _images_digest(row: dict) -> str:
+    """A digest of the row's images (their bytes, else their paths): one text with other images is
+    another prompt. Empty for a text row."""
+    images = row.get("images")
+    if not isinstance(images, list) or not images:
+        return ""
+    digest = hashlib.sha256()
+    for image in images:
+        data = image.get("bytes") if isinstance(image, dict) else None
+        named = image.get("path") if isinstance(image, dict) else image
+        digest.update(data if isinstance(data, bytes) else json.dumps(named, default=str).encode())
+    return digest.hexdigest()
+
+
+def _shown(row: dict) -> dict:
+    """``row`` for the report, each image's bytes given as their count."""
+    images = row.get("images")
+    if not isinstance(images, list):
+        return row
+    shown = [
+        {**im, "bytes": f"<{len(im['bytes'])} bytes>"} if isinstance(im, dict) and im.get("bytes") else im
+        for im in images
+    ]
+    return {**row, "images": shown}
 
 
 def _row_list(rows: list[int]) -> str:

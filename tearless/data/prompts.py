@@ -24,7 +24,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tearless.data.images import render_image_prompt, row_images
 from tearless.data.rows import DataError, normalize_row
+from tearless.models.vision import prompt_inputs, prompt_pixels
 from tearless.rollout.multiturn import cut_tokens
 
 TRUNCATION_MODES = ("error", "left", "right", "middle")
@@ -252,6 +254,12 @@ class PromptDataset:
         filter_overlong_prompts: drop overlong rows instead (``data.filter_overlong_prompts``); how
             many were dropped is in ``num_filtered``.
         source: names the rows in error messages, e.g. the file they came from.
+        processor: a vision-language model's processor (:func:`tearless.models.vision.load_processor`),
+            for rows with images (the ``image_key`` column, :mod:`tearless.data.images`): their ids
+            come from it, each ``<image>`` expanded into the image's tokens, and their item adds
+            ``multi_modal_inputs``, the prompt's pixel inputs, computed when the item is taken (so a
+            dataset of large images holds the decoded images, not their tensors). A row with images
+            and no processor raises :class:`DataError`.
     """
 
     def __init__(
@@ -265,6 +273,8 @@ class PromptDataset:
         source: str = "<rows>",
         chat_template: str | None = None,
         template_kwargs: dict | None = None,
+        processor: Any = None,
+        image_key: str = "images",
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise DataError(f"data.truncation={truncation!r} is not one of {', '.join(TRUNCATION_MODES)}")
@@ -281,6 +291,7 @@ class PromptDataset:
         self.num_filtered = 0
         # Prompts holding the tokenizer's unknown token (the text has characters its vocabulary lacks).
         self.num_unknown = 0
+        self.processor = processor
         unk = getattr(tokenizer, "unk_token_id", None)
         self._items: list[dict] = []
         checked = False
@@ -295,12 +306,17 @@ class PromptDataset:
             ):
                 check_chat_template(tokenizer, chat_template, template_kwargs)
                 checked = True
-            ids = render_prompt(
-                tokenizer,
-                row.get("prompt_text") or row["prompt"],
-                chat_template=chat_template,
-                template_kwargs=template_kwargs,
-            )
+            where = f"{source}: row {index}"
+            images = row_images(row, where, image_key)
+            if images is not None:
+                ids = self._image_prompt_ids(row, images, where, tokenizer, chat_template, template_kwargs)
+            else:
+                ids = render_prompt(
+                    tokenizer,
+                    row.get("prompt_text") or row["prompt"],
+                    chat_template=chat_template,
+                    template_kwargs=template_kwargs,
+                )
             self.num_unknown += unk is not None and unk in ids
             if len(ids) > max_prompt_length:
                 if filter_overlong_prompts:
@@ -313,18 +329,23 @@ class PromptDataset:
                         "data.truncation=left|right|middle to cut it, or data.filter_overlong_prompts=true "
                         "to drop such rows"
                     )
+                if images is not None:
+                    raise DataError(
+                        f"{where} has a prompt of {len(ids)} tokens with images, longer than "
+                        f"data.max_prompt_length={max_prompt_length}, and cutting it would cut an image's "
+                        "tokens. Raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                    )
                 ids = truncate(ids, max_prompt_length, truncation)
-            self._items.append(
-                {
-                    "input_ids": ids,
-                    "raw_prompt": row["prompt"],
-                    "data_source": row["data_source"],
-                    "ground_truth": row["reward_model"]["ground_truth"],
-                    "extra_info": row.get("extra_info") or {},
-                    "ability": row.get("ability"),
-                    "index": index,
-                }
-            )
+            item = {
+                "input_ids": ids,
+                "raw_prompt": row["prompt"],
+                "data_source": row["data_source"],
+                "ground_truth": row["reward_model"]["ground_truth"],
+                "extra_info": row.get("extra_info") or {},
+                "ability": row.get("ability"),
+                "index": index,
+            }
+            self._items.append(item if images is None else {**item, "images": images})
         if not self._items:
             raise DataError(
                 f"{source}: all {len(rows)} rows are longer than data.max_prompt_length={max_prompt_length} "
@@ -332,11 +353,43 @@ class PromptDataset:
                 "data.filter_overlong_prompts=false with a data.truncation mode"
             )
 
+    def _image_prompt_ids(
+        self,
+        row: dict,
+        images: list[Any],
+        where: str,
+        tokenizer: Any,
+        chat_template: str | None,
+        template_kwargs: dict | None,
+    ) -> list[int]:
+        """The ids of a prompt with images: rendered with its placeholders, expanded by the processor."""
+        if self.processor is None:
+            raise DataError(
+                f"{where} has images but actor_rollout_ref.model.path is not a vision-language model (it "
+                "has no image processor); use an image-text-to-text model, or drop the images column"
+            )
+        text = render_image_prompt(
+            self.processor,
+            tokenizer,
+            row["prompt"],
+            chat_template=chat_template,
+            template_kwargs=template_kwargs,
+        )
+        return prompt_inputs(self.processor, text, images)[0]
+
     def __len__(self) -> int:
         return len(self._items)
 
     def __getitem__(self, i: int) -> dict:
         item = self._items[i]
+        if "images" in item:  # the pixels of a row with images, made now (see the class docs)
+            pixels = prompt_pixels(self.processor, item["images"])
+            item = {k: v for k, v in item.items() if k != "images"}
+            return {**self._copy(item), "multi_modal_inputs": pixels}
+        return self._copy(item)
+
+    @staticmethod
+    def _copy(item: dict) -> dict:
         # A copy, so a caller that edits a batch in place (appending response ids, say) cannot change
         # what the next epoch sees; strings are immutable and need no copying.
         return {

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from tearless.models.hub import is_hub_id, resolve_hub_model
+from tearless.models.vision import check_supported, load_vision_lm, vision_model_type
 from tearless.userfiles import check_model_files
 
 DTYPES = {
@@ -103,12 +104,22 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """Load ``AutoModelForCausalLM`` from a local directory in the given dtype; with ``meta``, build
     its architecture on the meta device instead (no weights read, no memory: the sharded loading of
-    :func:`tearless.distributed.fsdp.shard_from_rank0` fills it)."""
+    :func:`tearless.distributed.fsdp.shard_from_rank0` fills it).
+
+    A vision-language model (a ``vision_config`` in its ``config.json``) is loaded as
+    ``AutoModelForImageTextToText`` (:mod:`tearless.models.vision`), its type checked first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = check_model_dir(path, key)
+    vision = vision_model_type(path)
+    if vision is not None:
+        check_supported(vision, key)
     with quiet_transformers():
-        if meta:
+        if vision is not None:
+            model = load_vision_lm(path, dtype=resolve_dtype(dtype), meta=meta)
+            if not meta:
+                check_finite_weights(model, f"{key}={path}")
+        elif meta:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(
                     AutoConfig.from_pretrained(str(path)), dtype=resolve_dtype(dtype)

@@ -43,6 +43,7 @@ from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import pack_rows, packable, packed_forward
 from tearless.models.precision import autocast_for
+from tearless.models.vision import image_embeddings
 
 
 def sequence_inputs(
@@ -75,6 +76,7 @@ def response_logprobs(
     fused_kernels: bool = False,
     entropy_chunking: bool | None = None,
     entropy_checkpointing: bool = False,
+    vision: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Return log π(y_t | x, y_<t) of each response token, shape (B, R), and optionally its entropy.
 
@@ -96,6 +98,11 @@ def response_logprobs(
     ``entropy_checkpointing`` (veRL's key) recomputes the softmax of a differentiated entropy in the
     backward instead of keeping it (the chunked function, even for one chunk).
 
+    ``vision``, for a vision-language model (:mod:`tearless.models.vision`), holds each row's pixel
+    inputs (``pixel_values``, …, one row per row): every forward over the prompts takes them, on the
+    fast path once per distinct prompt. Such a batch is never packed: the packed forward does not
+    place image features (``remove_padding`` falls back to the padded pass).
+
     A model marked for bf16 compute (:func:`tearless.models.precision.set_compute_dtype`, CPU) runs
     its forwards under autocast; its logits are upcast to float32 before the log-softmax, so both
     outputs are float32 in every precision.
@@ -113,6 +120,7 @@ def response_logprobs(
             remove_padding=remove_padding,
             fused_kernels=fused_kernels,
             chunking=(entropy_chunking, entropy_checkpointing),
+            vision=vision or None,
         )
 
 
@@ -129,6 +137,7 @@ def _response_logprobs(
     remove_padding,
     fused_kernels,
     chunking,
+    vision,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     device = compute_device(model)
     rows, width = response_ids.shape
@@ -143,12 +152,13 @@ def _response_logprobs(
         and torch.distributed.is_initialized()
         and torch.distributed.get_world_size() > 1
     )
-    packed = remove_padding and packable(prompt_mask, response_mask, lengths)
+    packed = remove_padding and vision is None and packable(prompt_mask, response_mask, lengths)
     fast = share_prompts and rows > 0 and not sharded and bool(prompt_mask.any(-1).all())
     p_ids, p_mask = prompt_ids.to(device), prompt_mask.to(device)
     r_ids, r_mask = response_ids.to(device), response_mask.to(device)
+    pixels = None if vision is None else {k: v.to(device) for k, v in vision.items()}
     if fast and (packed or not checkpointing):
-        rep, inverse = distinct_rows(p_ids, p_mask, r_ids, r_mask, lengths.to(device))
+        rep, inverse = distinct_rows(*prompt_keys(p_ids, p_mask, pixels), r_ids, r_mask, lengths.to(device))
         if len(rep) < rows:  # forward each distinct sequence once; duplicates share its outputs
             log_prob, entropy = response_logprobs(
                 model,
@@ -162,6 +172,7 @@ def _response_logprobs(
                 fused_kernels=fused_kernels,
                 entropy_chunking=chunking[0],
                 entropy_checkpointing=chunking[1],
+                vision=None if pixels is None else {k: v[rep] for k, v in pixels.items()},
             )
             return log_prob[inverse], (None if entropy is None else entropy[inverse])
     if packed:
@@ -172,10 +183,10 @@ def _response_logprobs(
             model, p_ids, p_mask, r_ids, lengths, temperature, with_entropy, head, chunking
         )  # fmt: skip
     if fast and not checkpointing:
-        pieces = _fast_logits(model, p_ids, p_mask, r_ids, r_mask, lengths)
+        pieces = _fast_logits(model, p_ids, p_mask, r_ids, r_mask, lengths, pixels)
     else:
         used = max(int(lengths.max()) if rows else 0, 1)
-        pieces = [(None, _plain_logits(model, p_ids, p_mask, r_ids[:, :used], r_mask[:, :used]))]
+        pieces = [(None, _plain_logits(model, p_ids, p_mask, r_ids[:, :used], r_mask[:, :used], pixels))]
     log_probs, entropies = [], []
     for index, logits in pieces:
         targets = r_ids[:, : logits.shape[1]] if index is None else r_ids[index, : logits.shape[1]]
@@ -325,13 +336,20 @@ def length_buckets(lengths: list[int], overhead: int) -> list[list[int]]:
     return [[r for r, n in enumerate(lengths) if n in g] for g in reversed(groups)]
 
 
-def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
-    """(B, R, V) logits predicting each response token from one pass over every whole sequence."""
+def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, pixels=None) -> torch.Tensor:
+    """(B, R, V) logits predicting each response token from one pass over every whole sequence (with
+    each row's ``pixels``, a vision-language model's, placed by
+    :func:`~tearless.models.vision.image_embeddings`)."""
     ids, mask, positions = sequence_inputs(
         prompt_ids, prompt_mask, response_ids[:, :-1], response_mask[:, :-1]
     )
+    if pixels is None:
+        tokens = {"input_ids": ids}
+    else:  # the image features go to the prompt's image tokens only (image_embeddings)
+        prompt_width = ids.shape[1] - (response_ids.shape[1] - 1)
+        tokens = {"inputs_embeds": image_embeddings(model, ids, pixels, prompt_width)}
     return model(
-        input_ids=ids,
+        **tokens,
         attention_mask=mask,
         position_ids=positions,
         use_cache=False,
@@ -340,7 +358,7 @@ def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask) -
 
 
 def _fast_logits(
-    model, prompt_ids, prompt_mask, response_ids, response_mask, lengths
+    model, prompt_ids, prompt_mask, response_ids, response_mask, lengths, pixels=None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(row indices, logits (b, w, V) predicting those rows' first w response tokens) per length bucket.
 
@@ -348,11 +366,12 @@ def _fast_logits(
     and its KV cache kept; each bucket's responses but their last column (only a target) are
     forwarded against that cache, gathered for the bucket's rows, with positions continuing after
     each prompt's last real token. Gradients of every bucket flow back into the one prompt pass.
+    A vision-language model's ``pixels`` (one row per row) go with the prompt pass, for its first rows.
     """
     from transformers import DynamicCache
 
     device = prompt_ids.device
-    counts = shared_prompt_runs(prompt_ids, prompt_mask).to(device)
+    counts = shared_prompt_runs(*prompt_keys(prompt_ids, prompt_mask, pixels)).to(device)
     first_rows = torch.cumsum(counts, 0) - counts
     used = prompt_mask.any(dim=0).nonzero()
     start = int(used[0]) if len(used) else 0
@@ -363,6 +382,7 @@ def _fast_logits(
         attention_mask=p_mask,
         position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
         logits_to_keep=1,
+        **({} if pixels is None else {k: v[first_rows] for k, v in pixels.items()}),
         **cache_kwargs(model, cache),
     )
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
@@ -394,6 +414,20 @@ def _fast_logits(
         )
         pieces.append((index, torch.cat([first, out.logits], dim=1)))
     return pieces
+
+
+def prompt_keys(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pixels: dict[str, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What makes two rows' prompts the same, as (ids, mask) to compare: the prompt itself, and for a
+    vision-language model its images too (one more column, the row's distinct-pixels number), since
+    prompts with the same text and other images share their token ids."""
+    if pixels is None:
+        return prompt_ids, prompt_mask
+    flat = pixels["pixel_values"].flatten(1)
+    image = torch.unique(flat, dim=0, return_inverse=True)[1].to(prompt_ids)
+    one = torch.ones_like(image)
+    return torch.cat([prompt_ids, image[:, None]], 1), torch.cat([prompt_mask, one[:, None]], 1)
 
 
 def _repeat_rows(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

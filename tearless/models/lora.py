@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from tearless.models.vision import language_lora_targets
+
 
 def _peft(key: str):
     try:
@@ -51,18 +53,22 @@ def add_lora(
     gradient_checkpointing: bool = False,
     task_type: str = "CAUSAL_LM",
     key: str = "actor_rollout_ref.model",
+    language_only: bool = False,
 ) -> torch.nn.Module:
     """Wrap ``model`` in a peft LoRA model (rank ``rank``, scale ``alpha / rank``, no dropout).
 
     Every base parameter is frozen; only the adapters require gradients. ``task_type`` ``SEQ_CLS`` (a
     reward model) also trains the new scalar head whole (peft's ``modules_to_save``) and saves it with
-    the adapter. ``key`` is the config section named in errors.
+    the adapter. ``key`` is the config section named in errors. ``language_only`` (a vision-language
+    model) puts the adapters on the language model's layers of those names only
+    (:func:`tearless.models.vision.language_lora_targets`).
     """
     peft = _peft(f"{key}.lora_rank")
+    targets = target_modules_arg(target_modules)
     config = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=target_modules_arg(target_modules),
+        target_modules=language_lora_targets(targets) if language_only else targets,
         lora_dropout=0.0,
         bias="none",
         task_type=task_type,

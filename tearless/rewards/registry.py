@@ -39,6 +39,8 @@ _BUILTIN: dict[str, str] = {
     "countdown": "tearless.tasks.countdown:compute_score",
     "long_addition": "tearless.tasks.long_addition:compute_score",
     "chain_addition": "tearless.tasks.chain_addition:compute_score",
+    "vlm_count": "tearless.tasks.vlm_count:compute_score",
+    "hiyouga/geometry3k": "tearless.rewards.geo3k:compute_score",  # veRL's multimodal example
     "knights_knaves": _KK,
     "kk_logic": _KK,  # Logic-RL's name
     "code": _CODE,

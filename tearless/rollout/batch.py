@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos.groups import group_ids
+from tearless.models.vision import stack_pixels
 from tearless.rollout.engine import RolloutOutput, concat_rollouts, select_rows
 
 ROW = {"per_row": True}
@@ -47,7 +48,9 @@ class Rollout:
 
     def tensors(self) -> TensorDict:
         """The rows' tensors as the ranks take them (log-prob forwards, values, updates), each row
-        carrying its prompt group as a small integer (``uid_index``, first-appearance order)."""
+        carrying its prompt group as a small integer (``uid_index``, first-appearance order), and, for a
+        vision-language policy, its prompt's pixel inputs (``pixel_values``, …: the items'
+        ``multi_modal_inputs`` stacked, :func:`~tearless.models.vision.stack_pixels`)."""
         out = self.out
         td = TensorDict(
             {
@@ -62,6 +65,8 @@ class Rollout:
         )
         if out.entropy is not None:
             td["rollout_entropy"] = out.entropy
+        if self.items and "multi_modal_inputs" in self.items[0]:  # a vision-language policy's pixels
+            td.update(stack_pixels([it["multi_modal_inputs"] for it in self.items]))
         return td
 
     def select(self, keep: torch.Tensor) -> Rollout:

@@ -129,8 +129,11 @@ class RolloutEngine(Protocol):
         stop_sequences: list[list[int]] | None = None,
         version: int = 0,
         between_tokens: Callable[[], int | None] | None = None,
+        vision: Sequence[dict[str, torch.Tensor]] | None = None,
     ) -> RolloutOutput:
-        """``n`` responses per prompt, rows of a prompt adjacent (see ``HFRollout.generate``)."""
+        """``n`` responses per prompt, rows of a prompt adjacent (see ``HFRollout.generate``); ``vision``
+        (each prompt's pixel inputs) only for a vision-language policy, which only the built-in engine
+        samples (the config refuses the others)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

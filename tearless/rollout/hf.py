@@ -17,6 +17,7 @@ from tearless.models.compat import cache_kwargs
 from tearless.models.loading import compute_device
 from tearless.models.packing import use_tearless_attention
 from tearless.models.precision import autocast, forward_only
+from tearless.models.vision import stack_pixels
 from tearless.rollout.decode_step import filter_logits, sample_step
 from tearless.rollout.engine import Capabilities, RolloutOutput, concat_rollouts, left_pad, select_rows
 from tearless.rollout.seeds import sample_keys, uniforms
@@ -84,6 +85,7 @@ class HFRollout:
         stop_sequences: list[list[int]] | None = None,
         version: int = 0,
         between_tokens: Callable[[], int | None] | None = None,
+        vision: Sequence[dict[str, torch.Tensor]] | None = None,
     ) -> RolloutOutput:
         """Return ``n`` responses per prompt (rows of a prompt adjacent), at most ``max_new_tokens`` each.
 
@@ -104,9 +106,16 @@ class HFRollout:
         response is re-prefilled (prompt + the tokens drawn so far) under the new weights and continues
         from there, keeping the log-probs of the tokens already drawn. ``version`` is the version of
         the weights at the start; ``token_versions`` records each token's.
+
+        ``vision`` (one dict per prompt, :func:`tearless.models.vision.prompt_pixels`) gives a
+        vision-language model each prompt's pixel inputs: every prefill forward of a prompt takes them
+        (its image features replace its image tokens), the decode steps read the cache as for text.
+        Such a call takes the host-driven loop on every device, and no ``between_tokens``.
         """
         if do_sample and keys is None:
             keys = torch.randint(0, 2**62, (len(prompts),)).tolist()
+        if vision is not None and between_tokens is not None:
+            raise ValueError("partial rollouts (between_tokens) do not take a vision-language model's pixels")
         if keys is not None and len(keys) != len(prompts):
             raise ValueError(f"{len(keys)} sampling keys for {len(prompts)} prompts; give one per prompt")
         was_training = self.model.training
@@ -119,7 +128,8 @@ class HFRollout:
                 static = device.type == "cuda" if self.static_loop is None else self.static_loop
                 draws = uniforms(sample_keys(keys, n), max_new_tokens) if do_sample else None
                 sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-                if static and between_tokens is None:  # the GPU loop: no host read per token
+                # the GPU loop: no host read per token
+                if static and between_tokens is None and vision is None:
                     tokens, logps, ents, mask, finished, versions = decode_static(
                         self.model,
                         prompt_ids,
@@ -135,7 +145,8 @@ class HFRollout:
                     )
                 else:
                     tokens, logps, ents, mask, finished, versions = self._decode(
-                        prompts, n, max_new_tokens, draws, sampling, stop_sequences, version, between_tokens
+                        prompts, n, max_new_tokens, draws, sampling, stop_sequences, version, between_tokens,
+                        vision,
                     )
         finally:
             self.model.train(was_training)
@@ -151,9 +162,10 @@ class HFRollout:
             token_versions=versions.cpu().clone(),
         )
 
-    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int):
-        """Forward left-padded ``ids`` (rows, L) into a fresh decode cache of ``capacity`` positions;
-        returns (last-position logits in float32, cache, attention mask, next position ids)."""
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int, pixels: dict | None = None):
+        """Forward left-padded ``ids`` (rows, L), with their ``pixels`` (a vision-language model's
+        stacked pixel inputs, one row per row of ``ids``), into a fresh decode cache of ``capacity``
+        positions; returns (last-position logits in float32, cache, attention mask, next position ids)."""
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
         cache = decode_cache(self.model.config, capacity)
         out = self.model(
@@ -161,6 +173,7 @@ class HFRollout:
             attention_mask=attn,
             position_ids=positions,
             logits_to_keep=1,
+            **(pixels or {}),
             **cache_kwargs(self.model, cache),
         )
         return out.logits[:, -1, :].float(), cache, attn, positions[:, -1:] + 1
@@ -175,6 +188,7 @@ class HFRollout:
         stop_sequences: list[list[int]] | None,
         version: int,
         between_tokens: Callable[[], int | None] | None,
+        vision: Sequence[dict[str, torch.Tensor]] | None,
     ) -> tuple[torch.Tensor, ...]:
         """The decode loop: (B, T) tokens, log-probs, entropies, mask and token versions and the (B,)
         EOS flags, T ≤ max_new_tokens. It takes what :func:`~tearless.rollout.static_decode.decode_static`
@@ -200,7 +214,8 @@ class HFRollout:
         draws = None if draws is None else draws.to(device)
         eos = self.eos.to(device)
         stops = [torch.tensor(s, dtype=torch.long, device=device) for s in stop_sequences or () if s]
-        logits, cache, attn, next_pos = self._prefill(ids, attn, ids.shape[1] + max_new_tokens)
+        pixels = None if vision is None else {k: v.to(device) for k, v in stack_pixels(vision).items()}
+        logits, cache, attn, next_pos = self._prefill(ids, attn, ids.shape[1] + max_new_tokens, pixels)
         batch = len(prompts) * n
         tokens = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long, device=device)
         logps = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)

@@ -204,7 +204,8 @@ class RLTrainer:
             workers = self.workers.save(str(directory))
             for name in ("actor", "actor_merged"):
                 if (directory / name).is_dir():
-                    self.tokenizer.save_pretrained(directory / name)
+                    # A vision-language policy's processor: its tokenizer and its image processor.
+                    (self.train_set.processor or self.tokenizer).save_pretrained(directory / name)
             return {"workers": workers}
 
         return ckpt.save_checkpoint(

@@ -15,6 +15,7 @@ from tearless.config.plan import RunFiles, adapter_path, critic_path
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.data.prompts import check_same_tokenizer, check_vocabulary
 from tearless.models.loading import check_model_dir, load_tokenizer
+from tearless.models.vision import load_processor, vision_model_type
 from tearless.rewards.registry import UnknownDataSource, check_data_sources, get_scorer
 from tearless.run import checkpoint as ckpt
 from tearless.tasks.bootstrap import TaskSpec
@@ -130,6 +131,12 @@ def rule_scored_validation(
     return not unscored
 
 
+def run_processor(files: RunFiles) -> Any:
+    """The policy's processor (its image processor and tokenizer) when it is a vision-language model,
+    else None."""
+    return load_processor(files.model_path) if vision_model_type(files.model_path) else None
+
+
 def prompt_sets(
     cfg: Config,
     files: RunFiles,
@@ -137,10 +144,18 @@ def prompt_sets(
     reward_fn: Callable[..., Any] | None,
     log: Callable[[str], None],
 ) -> tuple[PromptDataset, PromptDataset]:
-    """The training and validation prompts (:func:`prompt_set` of each)."""
+    """The training and validation prompts (:func:`prompt_set` of each), rows with images read
+    through the policy's processor when it is a vision-language model (:func:`run_processor`; the
+    datasets' ``processor``, None for a text policy)."""
+    processor = run_processor(files)
+    if processor is not None and cfg.actor_rollout_ref.model.use_remove_padding:
+        log(
+            "actor_rollout_ref.model.use_remove_padding: the packed forward does not place image features, "
+            "so this vision-language policy's log-probs take the padded pass"
+        )
     return (
-        prompt_set(cfg, "train", files.train_files, tokenizer, reward_fn, log),
-        prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log),
+        prompt_set(cfg, "train", files.train_files, tokenizer, reward_fn, log, processor),
+        prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log, processor),
     )
 
 
@@ -151,6 +166,7 @@ def prompt_set(
     tokenizer: Any,
     reward_fn: Callable[..., Any] | None,
     log: Callable[[str], None],
+    processor: Any = None,
 ) -> PromptDataset:
     """The ``train`` or ``val`` prompts of ``paths`` (cut to ``data.<which>_max_samples`` when set),
     their data sources checked against the built-in scorers when those score them; one warning line
@@ -170,6 +186,8 @@ def prompt_set(
         filter_overlong_prompts=data.filter_overlong_prompts,
         chat_template=data.chat_template,
         template_kwargs=dict(data.apply_chat_template_kwargs),
+        processor=processor,
+        image_key=data.image_key,
     )
     if uses_builtin_scorers(cfg, reward_fn):
         check_data_sources({key: (paths, rows)})

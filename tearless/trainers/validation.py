@@ -19,7 +19,7 @@ from tearless.rollout.seeds import prompt_keys
 from tearless.trainers.metrics import pass_at_k
 from tearless.trainers.progress import Progress
 from tearless.trainers.reward_errors import RewardErrors
-from tearless.trainers.setup import prompt_set, rule_scored_validation, run_tokenizer
+from tearless.trainers.setup import prompt_set, rule_scored_validation, run_processor, run_tokenizer
 from tearless.workers.build import ModelBuilder
 from tearless.workers.calibrate import resolve_auto
 from tearless.workers.group import LocalWorkers
@@ -122,7 +122,7 @@ def evaluate(
     model_path = str(check_model_dir(cfg.actor_rollout_ref.model.path, "actor_rollout_ref.model.path"))
     files = RunFiles(model_path, None, cfg.data.val_files, None, None, lora_adapter_path=adapter_path(cfg))
     tokenizer = run_tokenizer(cfg, files)
-    val_set = prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log)
+    val_set = prompt_set(cfg, "val", files.val_files, tokenizer, reward_fn, log, run_processor(files))
     device = resolve_device(t.device)
     plan = resolve_auto(cfg, build_plan(cfg, files), gpu=device == "cuda", log=log)
     # One rank that trains no role and generates.

@@ -23,11 +23,12 @@ import torch
 from tearless.cachedir import build_dir, cached_build
 from tearless.config.sft import OfflineOptimConfig
 from tearless.data import PromptLoader, write_parquet
-from tearless.data.prompts import render_prompt
+from tearless.data.prompts import PromptDataset, render_prompt
 from tearless.data.sft import SFTDataset
 from tearless.models.loading import quiet_transformers
+from tearless.models.vision import stack_pixels
 from tearless.rollout.agent import AgentSettings, SearchR1Format
-from tearless.tasks import chain_addition, multihop
+from tearless.tasks import chain_addition, multihop, vlm_count
 from tearless.tasks.bootstrap import (
     VERSION,
     TaskFiles,
@@ -88,6 +89,8 @@ def prepare_task(
         start = time.perf_counter()
         if spec.name == "multihop":
             built = build_multihop(spec, tmp)
+        elif spec.name == "vlm_count":
+            built = build_vision_task(spec, tmp, log=log)
         elif spec.name == "chain_addition":
             built = build_warmed_task(spec, tmp, chain_addition.task_rows(spec), chain_addition.teacher)
         else:
@@ -202,4 +205,73 @@ def multihop_warmup(
             batch.append(multihop.demo_tokens(segments, prompts[i], fmt, tool))
         metrics = sft_step(model, batch, opt, sched, collate=collate, clip_grad=optim.clip_grad)
         losses.append(metrics["train/loss"])
+    return losses
+
+
+def build_vision_task(spec: Any, out: Path, log: Callable[[str], None] | None = None) -> dict:
+    """Write the visual counting task (:mod:`tearless.tasks.vlm_count`) into ``out``: its train/test
+    parquet (veRL's multimodal rows) and its tiny Idefics3 with its processor, warmed up on the flawed
+    teacher's counts; return the warm-up's summary."""
+    train_rows, val_rows = vlm_count.task_rows(spec)
+    write_parquet(train_rows, out / "train.parquet")
+    write_parquet(val_rows, out / "test.parquet")
+    tok = vlm_count.task_tokenizer()
+    processor = vlm_count.task_processor(tok)
+    model = vlm_count.task_model(tok, num_layers=spec.num_layers, seed=spec.seed)
+    prompts = PromptDataset(train_rows, tok, processor=processor, source="the vlm_count task")
+    losses = vision_warmup(
+        model, tok, prompts, steps=spec.warmup_steps, seed=spec.seed, forget=spec.forget_carry, log=log
+    )
+    with quiet_transformers():
+        model.save_pretrained(out / "model")
+        processor.save_pretrained(out / "model")
+    return {"warmup_final_loss": sum(losses[-20:]) / len(losses[-20:])}
+
+
+def vision_warmup(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    prompts: PromptDataset,
+    *,
+    steps: int,
+    seed: int,
+    forget: float,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    log: Callable[[str], None] | None = None,
+) -> list[float]:
+    """``steps`` supervised steps of a vision-language model on the flawed teacher's answers
+    (:func:`~tearless.tasks.vlm_count.flawed_teacher`, a fresh draw per visit) to random batches of
+    ``prompts`` (items with ``multi_modal_inputs``): the mean cross-entropy of the answer and its
+    end-of-turn token given image and prompt (rows right-padded), with the offline trainers' default
+    optimizer; returns the per-step losses."""
+    rng = random.Random(seed)
+    optim = OfflineOptimConfig(lr=lr)
+    opt, sched = make_optimizer(model, optim, steps)
+    model.train()
+    losses = []
+    for i in range(steps):
+        items = [prompts[j] for j in rng.sample(range(len(prompts)), min(batch_size, len(prompts)))]
+        seqs = []
+        for item in items:
+            answer = [*tokenizer.encode(vlm_count.flawed_teacher(item, rng, forget)), tokenizer.eos_token_id]
+            seqs.append((item["input_ids"], answer))
+        width = max(len(p) + len(a) for p, a in seqs)
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(seqs), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for r, (p, a) in enumerate(seqs):
+            ids[r, : len(p) + len(a)] = torch.tensor(p + a)
+            labels[r, len(p) : len(p) + len(a)] = torch.tensor(a)
+            mask[r, : len(p) + len(a)] = 1
+        pixels = stack_pixels([item["multi_modal_inputs"] for item in items])
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels, **pixels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), optim.clip_grad)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log is not None and ((i + 1) % max(1, steps // 10) == 0 or i + 1 == steps):
+            log(f"  warm-up step {i + 1}/{steps}: loss {losses[-1]:.3f}")
     return losses

@@ -26,6 +26,7 @@ from tearless.algos.losses import LINEAR_IN_ADVANTAGE
 from tearless.config.derived import policy_loss_knobs
 from tearless.config.schema import ActorConfig
 from tearless.models.logprobs import response_logprobs
+from tearless.models.vision import pixel_kwargs
 from tearless.workers.optim import make_optimizer
 from tearless.workers.schedule import UpdateFlags, UpdateSettings, attention_mask
 
@@ -70,6 +71,7 @@ class LogProbWorker:
             fused_kernels=self.fused_kernels,
             entropy_chunking=self.entropy_chunking,
             entropy_checkpointing=self.entropy_checkpointing,
+            vision=pixel_kwargs(mb),
         )
 
     def forward_context(self):

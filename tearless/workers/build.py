@@ -26,6 +26,7 @@ from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
+from tearless.models.vision import freeze_vision_tower, vision_model_type
 from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
@@ -97,8 +98,11 @@ class ModelBuilder:
             if role == "teacher":  # forward-only like the reference, from its own weights
                 path = spec.plan.files.teacher_path
             model = load_causal_lm(path, dtype=dtype, gradient_checkpointing=checkpointing, meta=not real)
+            vision = vision_model_type(path) is not None
             if not trained:
                 model.requires_grad_(False)
+            elif spec.sections.actor.freeze_vision_tower and vision:
+                freeze_vision_tower(model)
             if not lora:
                 return model
 
@@ -107,7 +111,9 @@ class ModelBuilder:
                 return load_lora(model, adapter, gradient_checkpointing=checkpointing)
             if not real:
                 torch.manual_seed(0)  # the skeleton's init is discarded; keep it cheap and fixed
+            # A vision-language policy's adapters go on its language model only.
             kw = dict(rank=m.lora_rank, alpha=m.lora_alpha, target_modules=m.target_modules)
+            kw["language_only"] = vision
             if adapter is not None:  # the skeleton of a saved adapter has that adapter's shape
                 saved = json.loads((Path(adapter) / "adapter_config.json").read_text())
                 kw.update(alpha=saved["lora_alpha"], target_modules=saved["target_modules"])

@@ -37,8 +37,9 @@ OWN_METRICS = {
 # search_r1 in tests/rollout/test_search_r1_train.py; countdown and knights_knaves need a real
 # instruct model and are checked against their data in tests/data/test_make.py; word_problems (and
 # knights_knaves) train SmolLM2-135M-Instruct in tests/test_real_model.py; word_problems_rm is that
-# recipe with a reward model as its only reward (below, and the reward model's runs in test_rm.py).
-TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "word_problems", "word_problems_rm")
+# recipe with a reward model as its only reward (below, and the reward model's runs in test_rm.py);
+# vlm_count's task trains in tests/trainers/test_vlm.py.
+TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "vlm_count", "word_problems", "word_problems_rm")
 
 
 def test_every_shipped_preset_is_covered_and_loads():

@@ -1,0 +1,173 @@
+"""Vision-language policies: image-text-to-text models loaded with their processor, the vision tower
+frozen, and the pixel inputs of a batch.
+
+A model directory is a vision-language model when its ``config.json`` has a ``vision_config``. The
+architectures taken are those whose language model reads ordinary one-dimensional positions, Idefics3
+and SmolVLM (:data:`SUPPORTED_TYPES`): the image's features replace its ``<image>`` tokens in the
+prompt's embeddings and everything after them is a causal LM, so the log-prob pass's explicit
+positions, its prompt forwarded once into a KV cache for a group's responses, and the rollout
+engine's prefill-then-decode loop all hold unchanged; only the forwards that read the prompt take the
+pixels. Qwen2-VL and Qwen2.5-VL place their tokens with three-dimensional rotary positions (M-RoPE)
+that those passes do not compute yet, and are refused (:func:`check_supported`).
+
+The pixel inputs of one prompt (:func:`prompt_pixels`) are the image processor's tensors with the
+batch dimension taken off: ``pixel_values`` (images, channels, height, width) and
+``pixel_attention_mask`` (images, height, width). :func:`stack_pixels` pads a batch of them to one
+shape with zeros, as the processor pads a batch; Idefics3 drops the all-zero padding images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tearless.models.compat import base_model
+
+VISION_KEYS = ("pixel_values", "pixel_attention_mask")
+# The linear layers of the language model (Llama-style: Idefics3's and SmolVLM's) that "all-linear" means.
+LANGUAGE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SUPPORTED_TYPES = ("idefics3", "smolvlm")
+KEY = "actor_rollout_ref.model.path"
+
+
+def vision_model_type(path: str | os.PathLike | None) -> str | None:
+    """The ``model_type`` of the vision-language model in directory ``path``, or None when it is a
+    text-only model (no ``vision_config`` in its ``config.json``) or not a local directory."""
+    if path is None:
+        return None
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return None
+    return str(config.get("model_type"))
+
+
+def check_supported(model_type: str, key: str = KEY) -> None:
+    """Raise ``ValueError`` (one line naming ``key``) unless ``model_type`` is one whose passes tearless
+    computes (:data:`SUPPORTED_TYPES`)."""
+    if model_type in SUPPORTED_TYPES:
+        return
+    why = (
+        "its three-dimensional rotary positions (M-RoPE) are not computed by tearless's log-prob pass "
+        "and rollout engine yet"
+        if model_type.startswith("qwen")
+        else "tearless has not checked its image-token layout against its log-prob pass and rollout engine"
+    )
+    raise ValueError(
+        f"{key}: the vision-language model type {model_type!r} is not supported: {why}. Supported: "
+        f"{', '.join(SUPPORTED_TYPES)} (e.g. HuggingFaceTB/SmolVLM-256M-Instruct)"
+    )
+
+
+def load_vision_lm(path: str | os.PathLike, *, dtype: torch.dtype, meta: bool = False) -> torch.nn.Module:
+    """``AutoModelForImageTextToText`` from directory ``path`` in ``dtype`` (on the meta device, no
+    weights read, with ``meta``); the caller has checked the type with :func:`check_supported`."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype)
+    return AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
+
+
+def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    """The image encoder of a vision-language model (Idefics3/SmolVLM's ``model.vision_model``; the
+    connector that projects its features into the language model is not part of it)."""
+    inner = base_model(model).model
+    return inner.vision_model
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Stop gradients into the vision tower (veRL's ``freeze_vision_tower``): its parameters'
+    ``requires_grad`` off, so the optimizer never holds them. Returns how many parameters were frozen."""
+    tower = vision_tower(model)
+    tower.requires_grad_(False)
+    return sum(p.numel() for p in tower.parameters())
+
+
+def load_processor(path: str | os.PathLike, key: str = KEY) -> Any:
+    """The model's processor (``AutoProcessor``: its tokenizer and image processor)."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        first = next(iter(str(e).strip().splitlines()), "")
+        raise ValueError(
+            f"{key}={path!s}: cannot load the vision-language model's processor ({first[:200]}); save it "
+            "beside the weights with processor.save_pretrained"
+        ) from None
+
+
+def prompt_inputs(
+    processor: Any, text: str, images: Sequence[Any]
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """The token ids of one rendered prompt ``text`` (each ``<image>`` expanded into the image's tokens)
+    and its pixel inputs (:func:`prompt_pixels`), from the processor."""
+    enc = processor(text=[text], images=[list(images)], return_tensors="pt")
+    return enc["input_ids"][0].tolist(), {k: enc[k][0] for k in VISION_KEYS if k in enc}
+
+
+def prompt_pixels(processor: Any, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """One prompt's pixel inputs from its images (the image processor's, batch dimension taken off)."""
+    enc = processor.image_processor(images=[list(images)], return_tensors="pt")
+    return {k: enc[k][0] for k in VISION_KEYS if k in enc}
+
+
+def stack_pixels(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The pixel inputs of ``rows`` (one dict per prompt or response) as one batch: each tensor padded
+    with zeros to the largest number of images and the largest height and width, then stacked."""
+    out = {}
+    for key in rows[0]:
+        tensors = [row[key] for row in rows]
+        shape = [max(t.shape[d] for t in tensors) for d in range(tensors[0].dim())]
+        batch = tensors[0].new_zeros((len(tensors), *shape))
+        for i, t in enumerate(tensors):
+            batch[(i, *(slice(0, n) for n in t.shape))] = t
+        out[key] = batch
+    return out
+
+
+def pixel_kwargs(source: Any) -> dict[str, torch.Tensor]:
+    """The pixel inputs a forward takes from ``source`` (a batch's TensorDict or a dict): the
+    :data:`VISION_KEYS` it holds, nothing for a text-only batch."""
+    return {k: source[k] for k in VISION_KEYS if k in source.keys()}
+
+
+def image_embeddings(
+    model: torch.nn.Module, ids: torch.Tensor, pixels: dict[str, torch.Tensor], prompt_width: int
+) -> torch.Tensor:
+    """The language model's input embeddings of ``ids`` (B, L), each row's image features in place of
+    the image tokens among its first ``prompt_width`` columns (its prompt). What the model's own
+    merge does, except that an image token the policy sampled in a response stays a token, as it is
+    in the engine's decode steps (the model's merge would count it as one more image position)."""
+    inner = base_model(model).model
+    embeds = inner.get_input_embeddings()(ids)
+    features = inner.get_image_features(
+        pixels["pixel_values"], pixels.get("pixel_attention_mask")
+    ).pooler_output
+    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    columns = torch.arange(ids.shape[1], device=ids.device)
+    where = (ids == base_model(model).config.image_token_id) & (columns < prompt_width)
+    if int(where.sum()) != features.shape[0]:
+        raise ValueError(
+            f"the prompts hold {int(where.sum())} image tokens but their images give {features.shape[0]} "
+            "features: the prompt ids were not made by this model's processor"
+        )
+    return embeds.masked_scatter(where[..., None], features.to(embeds.dtype))
+
+
+def language_lora_targets(names: Sequence[str] | str) -> str:
+    """peft's ``target_modules`` for LoRA on the language model only: a regular expression (peft matches
+    a string whole against each module's name) over the modules named ``names`` under ``text_model``,
+    ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower and the connector get no adapter."""
+    chosen = LANGUAGE_LINEAR if names == "all-linear" else names
+    return rf".*\.text_model\..*\.({'|'.join(map(re.escape, chosen))})"
