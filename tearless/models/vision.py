@@ -50,6 +50,16 @@ def vision_model_type(path: str | os.PathLike | None) -> str | None:
     return str(config.get("model_type"))
 
 
+def text_head_dim(path: str | os.PathLike) -> int | None:
+    """The attention head width of the language model of the vision-language model in ``path``
+    (``text_config.head_dim``, else ``hidden_size / num_attention_heads``), or None when unreadable."""
+    try:
+        text = json.loads((Path(path) / "config.json").read_text())["text_config"]
+        return int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
 def check_supported(model_type: str, key: str = KEY) -> None:
     """Raise ``ValueError`` (one line naming ``key``) unless ``model_type`` is one whose passes tearless
     computes (:data:`SUPPORTED_TYPES`)."""

@@ -41,6 +41,9 @@ class Capabilities:
     - ``resumes_partial``: it takes new weights between two tokens and continues the responses in
       flight (``between_tokens``; partial rollouts).
     - ``multi_turn``: the agent loop can drive it (stop sequences, one call per turn).
+    - ``raw_images``: a vision-language prompt reaches it as its text and decoded images (``images``,
+      each prompt's ``multi_modal_prompt``), which it tokenises and preprocesses itself; otherwise as
+      the processor's pixel inputs (``vision``, each prompt's ``multi_modal_inputs``).
     """
 
     holds_own_weights: bool
@@ -48,6 +51,7 @@ class Capabilities:
     records_versions: bool
     resumes_partial: bool
     multi_turn: bool
+    raw_images: bool
 
 
 @dataclass

@@ -40,6 +40,7 @@ class HFRollout:
         records_versions=True,
         resumes_partial=True,
         multi_turn=True,
+        raw_images=False,
     )
 
     def __init__(

@@ -92,6 +92,19 @@ _requests = itertools.count()
 SNAPSHOT_FILE_BYTES = 512 << 20  # one file of a tensor-parallel weight snapshot
 
 
+def _check_image_prompts(results: Sequence[Any], prompts: Sequence[list[int]]) -> None:
+    """Raise ``ValueError`` unless vLLM's token ids of each image prompt are the trainer's: the
+    responses are trained after those ids, so a different expansion of an image would train the policy
+    on a context it never sampled in."""
+    for i, (r, ids) in enumerate(zip(results, prompts, strict=True)):
+        if list(r.prompt_token_ids) != list(ids):
+            raise ValueError(
+                f"prompt {i}: vLLM's tokens of the prompt with images ({len(r.prompt_token_ids)}) are not "
+                f"the processor's ({len(ids)}); the engine and the trainer's processor expand the images "
+                "differently, so use actor_rollout_ref.rollout.name=hf"
+            )
+
+
 def _missing_vllm(exc: ImportError) -> ImportError:
     return ImportError(
         "actor_rollout_ref.rollout.name=vllm: vllm cannot be imported "
@@ -140,9 +153,10 @@ def kv_bytes_per_token(model_path: str, dtype: torch.dtype) -> int:
 
 
 def _model_config(model_path: str) -> Any:
+    """The config of the model's language model (a vision-language model's ``text_config``)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path)
+    return AutoConfig.from_pretrained(model_path).get_text_config()
 
 
 def cpu_kv_cache_bytes(
@@ -284,6 +298,7 @@ class VLLMRollout:
         records_versions=True,
         resumes_partial=True,
         multi_turn=True,
+        raw_images=True,
     )
 
     def __init__(
@@ -560,9 +575,15 @@ class VLLMRollout:
         stop_sequences: list[list[int]] | None = None,
         version: int = 0,
         between_tokens: Callable[[], int | None] | None = None,
+        images: Sequence[dict[str, Any]] | None = None,
     ) -> RolloutOutput:
         """``n`` responses per prompt (rows of a prompt adjacent), with their sampling log-probs; the
         arguments are :meth:`tearless.rollout.hf.HFRollout.generate`'s.
+
+        ``images`` (one per prompt, a vision-language policy's) gives vLLM each prompt as its text with
+        one placeholder per image and its decoded images (``{"prompt": …, "multi_modal_data": {"image":
+        […]}}``), which vLLM tokenises and preprocesses itself; its token ids must be the prompt's (the
+        trainer's processor expanded the same placeholders), else :class:`ValueError`.
 
         ``stop_sequences`` become vLLM stop strings (their decoded text, kept in the output): a
         response ends once its text contains one, which includes every place the built-in engine
@@ -592,15 +613,20 @@ class VLLMRollout:
 
         expanded = [p for p in prompts for _ in range(n)]
         seeds = sample_keys(keys, n)
+        if images is not None and between_tokens is not None:
+            raise ValueError("partial rollouts (between_tokens) do not take a vision-language model's images")
+        requests = [{"prompt_token_ids": p} for p in prompts] if images is None else list(images)
         self.wake_up()
         try:
             if between_tokens is None:
                 results = self.llm.generate(
-                    [{"prompt_token_ids": p} for p in expanded],
+                    [r for r in requests for _ in range(n)],
                     [params(max_new_tokens, s) for s in seeds],
                     use_tqdm=False,
                     lora_request=self.lora_request,
                 )
+                if images is not None:
+                    _check_image_prompts(results, expanded)
                 rows = [self._row(r.outputs[0], version) for r in results]
             else:
                 rows = self._stepped(expanded, seeds, max_new_tokens, params, version, between_tokens)

