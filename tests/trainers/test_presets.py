@@ -39,7 +39,10 @@ OWN_METRICS = {
 # knights_knaves) train SmolLM2-135M-Instruct in tests/test_real_model.py; word_problems_rm is that
 # recipe with a reward model as its only reward (below, and the reward model's runs in test_rm.py);
 # vlm_count's task trains in tests/trainers/test_vlm.py.
-TASK_PRESETS = ("countdown", "knights_knaves", "search_r1", "vlm_count", "word_problems", "word_problems_rm")
+TASK_PRESETS = (
+    "countdown", "knights_knaves", "search_r1", "vlm_count",
+    "word_problems", "word_problems_rm",
+)
 
 
 def test_every_shipped_preset_is_covered_and_loads():
@@ -55,7 +58,8 @@ def test_every_shipped_preset_is_covered_and_loads():
 def test_the_reward_model_recipe_is_the_word_problems_recipe_with_the_model_as_its_only_reward(tmp_path):
     from tearless.config import ConfigError, to_dict
 
-    with pytest.raises(ConfigError, match=r"^reward_model.model.path: reward_model.enable=true needs a model"):
+    needs_a_model = r"^reward_model.model.path: reward_model.enable=true needs a model"
+    with pytest.raises(ConfigError, match=needs_a_model):
         load_config(None, preset="word_problems_rm")
     rm = ["reward_model.model.path=" + str(tmp_path)]
     mine = to_dict(load_config(None, rm, preset="word_problems_rm"))
