@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from distill import table
 from real_model import GREEDY, cli, offline_work
 
 SAMPLES_PER_STEP = 8 * 8  # the preset's data.train_batch_size × rollout.n
@@ -59,20 +60,6 @@ def run(work: Path, name: str, seed: int, steps: int, every: int, env: dict, *ex
         "wall_s": round(time.perf_counter() - start, 1),
         "checkpoint": str(run_dir / f"global_step_{steps}" / "actor"),
     }
-
-
-def table(result: dict) -> str:
-    names = list(result["runs"])
-    lines = ["| samples seen | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
-    curves = {n: result["runs"][n]["curve"] for n in names}
-    for i, p in enumerate(curves[names[0]]):
-        cells = []
-        for n in names:
-            q = curves[n][i]
-            kl = "" if q["reverse_kl"] is None else f" (KL {q['reverse_kl']:.3f})"
-            cells.append(f"{q['acc']:.3f}{kl}")
-        lines.append(f"| {p['samples']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def main() -> None:
