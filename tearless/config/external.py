@@ -9,6 +9,7 @@ builds its roles (Ray actors too: they are other processes). veRL's key: a modul
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from typing import Any
 
 from tearless.config.errors import fail
@@ -20,7 +21,7 @@ def external_libs(value: Any) -> list[str]:
     """The module names of ``external_lib``: null = none, a name, or a list of names."""
     if value is None:
         return []
-    names = [value] if isinstance(value, str) else list(value)
+    names = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else [value]
     if not all(isinstance(n, str) and n.strip() for n in names):
         fail(KEY, f"must be a module name or a list of module names, got {value!r}", "e.g. my_pkg.losses")
     return [n.strip() for n in names]

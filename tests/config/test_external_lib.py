@@ -52,6 +52,9 @@ def test_a_user_estimator_is_refused_until_its_module_is_named(fresh, overrides,
     [
         ("no_such_module_for_tearless", "cannot import 'no_such_module_for_tearless' (ModuleNotFoundError"),
         ("[config.user_registry,7]", "must be a module name or a list of module names, got"),
+        # not a list: a number was a TypeError, a mapping's keys were taken as module names
+        ("0", "must be a module name or a list of module names, got 0"),
+        ("{config.user_registry: 1}", "must be a module name or a list of module names, got {"),
     ],
 )
 def test_a_bad_module_is_one_line_naming_the_key(fresh, overrides, tmp_path, value, problem):
