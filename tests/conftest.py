@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 # 300 warm-up steps (the package default): with fewer, the greedy policy is too weak for a handful of
 # RL steps to move held-out accuracy reliably (measured: 200 steps gave +0.05 to +0.2, 300 gave
@@ -94,6 +95,17 @@ def search_r1_overrides(cache_dir: str | Path, run_dir: str | Path, *extra: str)
         "reward_model.num_workers=0",
         *extra,
     ]
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after), so a run repeated in the same process reduces
+    in the same order: modules that compare runs exactly take it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,7 @@ def echo(handler: BaseHTTPRequestHandler, body: dict) -> None:
 )
 def test_a_reply_cut_short_or_not_http_is_retried_and_fails_the_sample(answer, why):
     with serving(answer) as url:
-        judge = Judge(base_url=url, model="m", prompt_template=SUM, max_retries=1, sleep=lambda _: None)
+        judge = sum_judge(url, max_retries=1, sleep=lambda _: None)
         (result,) = judge.score(items("85"))
     assert isinstance(result, JudgeError) and why in str(result) and str(result).endswith("(1 retries)")
     assert judge.requests_sent == 2
@@ -197,21 +197,32 @@ def test_an_http_error_that_retrying_cannot_fix_is_not_retried(endpoint):
     server, _ = endpoint
     url = f"http://127.0.0.1:{server.port}/closed-session/v1"
     sleeps: list[float] = []
-    judge = Judge(base_url=url, model="m", prompt_template=SUM, sleep=sleeps.append)
+    judge = sum_judge(url, sleep=sleeps.append)
     (result,) = judge.score(items("85"))
     assert isinstance(result, JudgeError) and "HTTP 404" in str(result)
     assert judge.requests_sent == 1 and sleeps == []
 
 
-def test_a_judge_that_never_answers_times_out_and_is_retried_with_back_off():
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+@contextmanager
+def silent_server(backlog: int) -> Iterator[str]:
+    """The base URL of a socket on this machine that accepts ``backlog`` connections (the kernel's
+    queue) and never answers."""
+    with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
+        silent.listen(backlog)
+        yield f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+
+
+def sum_judge(url: str, **settings: object) -> Judge:
+    """A judge at ``url`` asking for the sum prompt, with ``settings`` (Judge's keywords)."""
+    return Judge(base_url=url, model="m", prompt_template=SUM, **settings)
+
+
+def test_a_judge_that_never_answers_times_out_and_is_retried_with_back_off():
+    with silent_server(16) as url:
         sleeps: list[float] = []
-        judge = Judge(
-            base_url=f"http://127.0.0.1:{silent.getsockname()[1]}/v1",
-            model="m",
-            prompt_template=SUM,
+        judge = sum_judge(
+            url,
             timeout_s=0.2,
             max_retries=2,
             backoff_s=0.5,
@@ -230,10 +241,8 @@ def closed_port() -> int:
 
 
 def test_failures_get_the_failure_score_and_a_judge_that_is_down_stops_the_run():
-    judge = Judge(
-        base_url=f"http://127.0.0.1:{closed_port()}/v1",
-        model="m",
-        prompt_template=SUM,
+    judge = sum_judge(
+        f"http://127.0.0.1:{closed_port()}/v1",
         max_retries=1,
         max_failures=5,
         sleep=lambda _: None,
@@ -250,13 +259,9 @@ def test_failures_get_the_failure_score_and_a_judge_that_is_down_stops_the_run()
 
 
 def test_a_silent_judge_stops_a_large_batch_without_judging_the_rest():
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(64)
-        judge = Judge(
-            base_url=f"http://127.0.0.1:{silent.getsockname()[1]}/v1",
-            model="m",
-            prompt_template=SUM,
+    with silent_server(64) as url:
+        judge = sum_judge(
+            url,
             max_concurrency=4,
             timeout_s=0.2,
             max_retries=2,
@@ -275,10 +280,8 @@ def test_a_silent_judge_stops_a_large_batch_without_judging_the_rest():
 
 
 def test_close_ends_the_back_off_of_requests_in_flight():
-    judge = Judge(
-        base_url=f"http://127.0.0.1:{closed_port()}/v1",
-        model="m",
-        prompt_template=SUM,
+    judge = sum_judge(
+        f"http://127.0.0.1:{closed_port()}/v1",
         max_retries=3,
         backoff_s=60.0,
     )

@@ -41,12 +41,7 @@ def reward_tol(directory, rewards) -> float:
     return logit_tol(AutoConfig.from_pretrained(directory), logit_bound=bound)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

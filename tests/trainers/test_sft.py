@@ -25,12 +25,7 @@ from .tiny import save_tiny_model
 TINY_TASK = dict(num_train=40, num_val=8, warmup_steps=6, hidden_size=32, num_layers=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
