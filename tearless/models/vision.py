@@ -133,8 +133,8 @@ QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProc
 def image_only_processor(model_type: str) -> type:
     """The processor class of ``model_type`` (:data:`QWEN_PROCESSORS`) without its video processor: its
     ``__init__`` takes the image processor and the tokenizer only, so ``from_pretrained`` loads no
-    video processor (which needs torchvision). It bears its parent's name, so a processor it saves
-    is the parent's, with the video processor's defaults where torchvision is installed."""
+    video processor (which needs torchvision). It bears its parent's name, so the processor it saves
+    names the parent's class in its ``processor_config.json``."""
     import transformers
 
     parent = getattr(transformers, QWEN_PROCESSORS[model_type])
@@ -231,7 +231,8 @@ def image_embeddings(
 
 def language_lora_targets(names: Sequence[str] | str) -> str:
     """peft's ``target_modules`` for LoRA on the language model only: a regular expression (peft matches
-    a string whole against each module's name) over the modules named ``names`` under ``text_model``,
-    ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower and the connector get no adapter."""
+    a string whole against each module's name) over the modules named ``names`` under the language
+    model (:data:`LANGUAGE_MODULES`), ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower
+    and the connector get no adapter."""
     chosen = LANGUAGE_LINEAR if names == "all-linear" else names
     return rf".*\.({'|'.join(LANGUAGE_MODULES)})\..*\.({'|'.join(map(re.escape, chosen))})"

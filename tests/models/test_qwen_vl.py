@@ -13,13 +13,14 @@ from PIL import Image
 
 from tearless.data import PromptDataset
 from tearless.models.loading import load_causal_lm, load_tokenizer
-from tearless.models.logprobs import response_logprobs, sequence_inputs
+from tearless.models.logprobs import prompt_keys, response_logprobs, sequence_inputs, shared_prompt_runs
 from tearless.models.mrope import prompt_rope, sequence_positions
 from tearless.models.vision import (
     forward_pixels,
     freeze_vision_tower,
     language_lora_targets,
     load_processor,
+    prompt_inputs,
     stack_pixels,
     vision_model_type,
     vision_tower,
@@ -177,3 +178,30 @@ def test_the_tower_freezes_and_lora_targets_the_language_model(policy):
     targets = [name for name, _ in model.named_modules() if pattern.fullmatch(name)]
     # q, k, v, o, gate, up and down of each of the 2 language-model layers, nothing in the tower
     assert len(targets) == 2 * 7 and all(name.startswith("model.language_model.layers.") for name in targets)
+
+
+def test_one_blank_picture_in_two_shapes_is_two_prompts_on_the_shared_pass(policy):
+    """A white 48 × 32 and 32 × 48 picture have the same 24 patches and 6 image tokens, so the two
+    prompts' ids and patches are equal and only their grids (4 × 6, 6 × 4) differ, and with them the
+    image tokens' positions: the shared-prompt pass must forward them apart, as the plain pass does."""
+    path, model, tok, _ = policy
+    processor = load_processor(path)
+    text = "<|user|><|vision_start|><|image_pad|><|vision_end|>How many red?<|end|><|assistant|>"
+    shapes = [
+        prompt_inputs(processor, text, [Image.new("RGB", size, "white")]) for size in ((48, 32), (32, 48))
+    ]
+    (ids, wide), (same_ids, tall) = shapes
+    assert ids == same_ids and wide["pixel_values"].equal(tall["pixel_values"])
+    assert wide["image_grid_thw"].tolist() == [[1, 4, 6]] and tall["image_grid_thw"].tolist() == [[1, 6, 4]]
+    p_ids = torch.tensor([ids] * 4)
+    pixels = stack_pixels([wide, wide, tall, tall])
+    # two runs of two rows, not one of four
+    assert shared_prompt_runs(*prompt_keys(p_ids, torch.ones_like(p_ids), pixels)).tolist() == [2, 2]
+    r_ids = torch.tensor([tok.encode(s) for s in ("3 ", "4 ", "3 ", "4 ")])
+    ones = torch.ones_like
+    with torch.no_grad():
+        fast, _ = response_logprobs(model, p_ids, ones(p_ids), r_ids, ones(r_ids), vision=pixels)
+        plain, _ = response_logprobs(
+            model, p_ids, ones(p_ids), r_ids, ones(r_ids), vision=pixels, share_prompts=False
+        )
+    assert (fast - plain).abs().max() <= tolerance(model)
