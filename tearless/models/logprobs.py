@@ -41,9 +41,10 @@ from tearless.devices import bucket_overhead_tokens, device_defaults
 from tearless.models.chunked import chunk_tokens, chunked_logits_logprobs, chunked_logprobs
 from tearless.models.compat import activation_checkpointing, cache_kwargs
 from tearless.models.loading import compute_device
+from tearless.models.mrope import prompt_rope, sequence_positions
 from tearless.models.packing import pack_rows, packable, packed_forward
 from tearless.models.precision import autocast_for
-from tearless.models.vision import image_embeddings
+from tearless.models.vision import forward_pixels, image_embeddings
 
 
 def sequence_inputs(
@@ -348,6 +349,9 @@ def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, p
     else:  # the image features go to the prompt's image tokens only (image_embeddings)
         prompt_width = ids.shape[1] - (response_ids.shape[1] - 1)
         tokens = {"inputs_embeds": image_embeddings(model, ids, pixels, prompt_width)}
+        # M-RoPE: the prompts' positions the model's, every later one shifted by the row's delta
+        rope = prompt_rope(model, ids[:, :prompt_width], mask[:, :prompt_width], pixels)
+        positions = sequence_positions(positions, prompt_width, rope)
     return model(
         **tokens,
         attention_mask=mask,
@@ -366,7 +370,9 @@ def _fast_logits(
     and its KV cache kept; each bucket's responses but their last column (only a target) are
     forwarded against that cache, gathered for the bucket's rows, with positions continuing after
     each prompt's last real token. Gradients of every bucket flow back into the one prompt pass.
-    A vision-language model's ``pixels`` (one row per row) go with the prompt pass, for its first rows.
+    A vision-language model's ``pixels`` (one row per row) go with the prompt pass, for its first rows;
+    with M-RoPE (:mod:`tearless.models.mrope`) the prompts take the model's positions and the
+    responses their text positions plus their prompt's delta.
     """
     from transformers import DynamicCache
 
@@ -376,15 +382,19 @@ def _fast_logits(
     used = prompt_mask.any(dim=0).nonzero()
     start = int(used[0]) if len(used) else 0
     p_ids, p_mask = prompt_ids[first_rows, start:], prompt_mask[first_rows, start:]
+    p_pixels = None if pixels is None else {k: v[first_rows] for k, v in pixels.items()}
+    rope = prompt_rope(model, p_ids, p_mask, p_pixels)
+    text = (p_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     prompt_out = model(
         input_ids=p_ids,
         attention_mask=p_mask,
-        position_ids=(p_mask.cumsum(-1) - 1).clamp(min=0),
+        position_ids=sequence_positions(text, p_mask.shape[1], rope),
         logits_to_keep=1,
-        **({} if pixels is None else {k: v[first_rows] for k, v in pixels.items()}),
+        **({} if p_pixels is None else forward_pixels(p_pixels)),
         **cache_kwargs(model, cache),
     )
+    delta = torch.zeros((len(p_ids), 1), dtype=torch.long, device=device) if rope is None else rope[1]
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
     pieces = []
@@ -408,7 +418,8 @@ def _fast_logits(
         out = model(
             input_ids=response_ids[index, : width - 1],
             attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :],
+            # after the prompt every M-RoPE section is the text position plus the prompt's delta
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :] + gather(delta),
             logits_to_keep=width - 1,
             **cache_kwargs(model, bucket_cache),
         )
@@ -420,14 +431,14 @@ def prompt_keys(
     prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, pixels: dict[str, torch.Tensor] | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What makes two rows' prompts the same, as (ids, mask) to compare: the prompt itself, and for a
-    vision-language model its images too (one more column, the row's distinct-pixels number), since
+    vision-language model its images too (one more column per pixel input, the row's number among its
+    distinct values: Qwen2-VL's grids too, as one blank image's patches fill either of two shapes), since
     prompts with the same text and other images share their token ids."""
     if pixels is None:
         return prompt_ids, prompt_mask
-    flat = pixels["pixel_values"].flatten(1)
-    image = torch.unique(flat, dim=0, return_inverse=True)[1].to(prompt_ids)
-    one = torch.ones_like(image)
-    return torch.cat([prompt_ids, image[:, None]], 1), torch.cat([prompt_mask, one[:, None]], 1)
+    numbers = [torch.unique(v.flatten(1), dim=0, return_inverse=True)[1] for v in pixels.values()]
+    image = torch.stack(numbers, 1).to(prompt_ids)
+    return torch.cat([prompt_ids, image], 1), torch.cat([prompt_mask, torch.ones_like(image)], 1)
 
 
 def _repeat_rows(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

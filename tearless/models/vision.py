@@ -2,22 +2,27 @@
 frozen, and the pixel inputs of a batch.
 
 A model directory is a vision-language model when its ``config.json`` has a ``vision_config``. The
-architectures taken are those whose language model reads ordinary one-dimensional positions, Idefics3
-and SmolVLM (:data:`SUPPORTED_TYPES`): the image's features replace its ``<image>`` tokens in the
-prompt's embeddings and everything after them is a causal LM, so the log-prob pass's explicit
-positions, its prompt forwarded once into a KV cache for a group's responses, and the rollout
-engine's prefill-then-decode loop all hold unchanged; only the forwards that read the prompt take the
-pixels. Qwen2-VL and Qwen2.5-VL place their tokens with three-dimensional rotary positions (M-RoPE)
-that those passes do not compute yet, and are refused (:func:`check_supported`).
+architectures taken (:data:`SUPPORTED_TYPES`) are Idefics3 and SmolVLM, whose language model reads
+ordinary one-dimensional positions, and Qwen2-VL and Qwen2.5-VL, which place their tokens with
+three-dimensional rotary positions (M-RoPE) that :mod:`tearless.models.mrope` computes. In both the
+image's features replace its image tokens in the prompt's embeddings and everything after them is a
+causal LM, so the log-prob pass's explicit positions (M-RoPE's: the prompt's the model's own, every
+later token its text position plus the prompt's rope delta), its prompt forwarded once into a KV cache
+for a group's responses, and the rollout engine's prefill-then-decode loop all hold; only the forwards
+that read the prompt take the pixels. Others are refused (:func:`check_supported`).
 
 The pixel inputs of one prompt (:func:`prompt_pixels`) are the image processor's tensors with the
-batch dimension taken off: ``pixel_values`` (images, channels, height, width) and
-``pixel_attention_mask`` (images, height, width). :func:`stack_pixels` pads a batch of them to one
-shape with zeros, as the processor pads a batch; Idefics3 drops the all-zero padding images.
+batch dimension taken off: Idefics3's ``pixel_values`` (images, channels, height, width) and
+``pixel_attention_mask`` (images, height, width); Qwen2-VL's flat ``pixel_values`` (patches,
+C·T·P·P), every image's patches one after the other, and ``image_grid_thw`` (images, 3), each image's
+grid of patches. :func:`stack_pixels` pads a batch of them to one shape with zeros, as the processor
+pads a batch; Idefics3 drops the all-zero padding images, and :func:`forward_pixels` unstacks
+Qwen2-VL's exactly (a padding grid is all zeros, a row's patches are as many as its grids hold).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -29,10 +34,12 @@ import torch
 
 from tearless.models.compat import base_model
 
-VISION_KEYS = ("pixel_values", "pixel_attention_mask")
-# The linear layers of the language model (Llama-style: Idefics3's and SmolVLM's) that "all-linear" means.
+VISION_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw")
+# The linear layers of the language model (Llama- and Qwen2-style) that "all-linear" means.
 LANGUAGE_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SUPPORTED_TYPES = ("idefics3", "smolvlm")
+# The language model's module under the model (Idefics3/SmolVLM: text_model; Qwen2-VL: language_model).
+LANGUAGE_MODULES = ("text_model", "language_model")
+SUPPORTED_TYPES = ("idefics3", "smolvlm", "qwen2_vl", "qwen2_5_vl")
 KEY = "actor_rollout_ref.model.path"
 
 
@@ -65,15 +72,10 @@ def check_supported(model_type: str, key: str = KEY) -> None:
     computes (:data:`SUPPORTED_TYPES`)."""
     if model_type in SUPPORTED_TYPES:
         return
-    why = (
-        "its three-dimensional rotary positions (M-RoPE) are not computed by tearless's log-prob pass "
-        "and rollout engine yet"
-        if model_type.startswith("qwen")
-        else "tearless has not checked its image-token layout against its log-prob pass and rollout engine"
-    )
     raise ValueError(
-        f"{key}: the vision-language model type {model_type!r} is not supported: {why}. Supported: "
-        f"{', '.join(SUPPORTED_TYPES)} (e.g. HuggingFaceTB/SmolVLM-256M-Instruct)"
+        f"{key}: the vision-language model type {model_type!r} is not supported: tearless has not checked "
+        "its image-token layout and positions against its log-prob pass and rollout engine. Supported: "
+        f"{', '.join(SUPPORTED_TYPES)} (e.g. HuggingFaceTB/SmolVLM-256M-Instruct, Qwen/Qwen2-VL-2B-Instruct)"
     )
 
 
@@ -89,10 +91,11 @@ def load_vision_lm(path: str | os.PathLike, *, dtype: torch.dtype, meta: bool = 
 
 
 def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
-    """The image encoder of a vision-language model (Idefics3/SmolVLM's ``model.vision_model``; the
-    connector that projects its features into the language model is not part of it)."""
+    """The image encoder of a vision-language model (Idefics3/SmolVLM's ``model.vision_model``, the
+    connector that projects its features into the language model not part of it; Qwen2-VL's
+    ``model.visual``, its patch merger included, as veRL freezes it)."""
     inner = base_model(model).model
-    return inner.vision_model
+    return inner.visual if hasattr(inner, "visual") else inner.vision_model
 
 
 def freeze_vision_tower(model: torch.nn.Module) -> int:
@@ -104,10 +107,15 @@ def freeze_vision_tower(model: torch.nn.Module) -> int:
 
 
 def load_processor(path: str | os.PathLike, key: str = KEY) -> Any:
-    """The model's processor (``AutoProcessor``: its tokenizer and image processor)."""
+    """The model's processor (``AutoProcessor``: its tokenizer and image processor). A Qwen2-VL or
+    Qwen2.5-VL processor is loaded without its video processor (:func:`image_only_processor`):
+    tearless reads no video, and that one needs torchvision."""
     from transformers import AutoProcessor
 
+    kind = vision_model_type(path)
     try:
+        if kind in QWEN_PROCESSORS:
+            return image_only_processor(kind).from_pretrained(str(path))
         return AutoProcessor.from_pretrained(str(path))
     except (OSError, ValueError) as e:
         first = next(iter(str(e).strip().splitlines()), "")
@@ -117,19 +125,47 @@ def load_processor(path: str | os.PathLike, key: str = KEY) -> Any:
         ) from None
 
 
+# The processor class of each model type whose processor also holds a video processor.
+QWEN_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+
+
+@functools.cache
+def image_only_processor(model_type: str) -> type:
+    """The processor class of ``model_type`` (:data:`QWEN_PROCESSORS`) without its video processor: its
+    ``__init__`` takes the image processor and the tokenizer only, so ``from_pretrained`` loads no
+    video processor (which needs torchvision). It bears its parent's name, so the processor it saves
+    names the parent's class in its ``processor_config.json``."""
+    import transformers
+
+    parent = getattr(transformers, QWEN_PROCESSORS[model_type])
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # The parent passes (image, tokenizer, None) on; ProcessorMixin pairs them with the two
+        # attributes this signature names, so the None is dropped.
+        parent.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(parent.__name__, (parent,), {"__init__": __init__, "__module__": parent.__module__})
+
+
 def prompt_inputs(
     processor: Any, text: str, images: Sequence[Any]
 ) -> tuple[list[int], dict[str, torch.Tensor]]:
     """The token ids of one rendered prompt ``text`` (each ``<image>`` expanded into the image's tokens)
     and its pixel inputs (:func:`prompt_pixels`), from the processor."""
     enc = processor(text=[text], images=[list(images)], return_tensors="pt")
-    return enc["input_ids"][0].tolist(), {k: enc[k][0] for k in VISION_KEYS if k in enc}
+    return enc["input_ids"][0].tolist(), _one_prompt(enc)
 
 
 def prompt_pixels(processor: Any, images: Sequence[Any]) -> dict[str, torch.Tensor]:
     """One prompt's pixel inputs from its images (the image processor's, batch dimension taken off)."""
-    enc = processor.image_processor(images=[list(images)], return_tensors="pt")
-    return {k: enc[k][0] for k in VISION_KEYS if k in enc}
+    return _one_prompt(processor.image_processor(images=[list(images)], return_tensors="pt"))
+
+
+def _one_prompt(enc: Any) -> dict[str, torch.Tensor]:
+    """The :data:`VISION_KEYS` of an encoding of one prompt: Idefics3's with the batch dimension taken
+    off; Qwen2-VL's flat patches (patches, C·T·P·P) and grids (images, 3) as they are (they have none)."""
+    flat = "image_grid_thw" in enc
+    return {k: enc[k] if flat else enc[k][0] for k in VISION_KEYS if k in enc}
 
 
 def stack_pixels(rows: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -152,6 +188,28 @@ def pixel_kwargs(source: Any) -> dict[str, torch.Tensor]:
     return {k: source[k] for k in VISION_KEYS if k in source.keys()}
 
 
+def forward_pixels(pixels: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What the model's forward takes for the stacked pixel inputs ``pixels`` (:func:`stack_pixels`, one
+    row per prompt or response). Idefics3's as they are (it drops the all-zero padding images). Qwen2-VL's
+    unstacked exactly: each row's grids but the all-zero padding ones (a real grid is at least 1 × 1 × 1)
+    and its first t·h·w patches per grid (the rest is padding), concatenated over the rows in order."""
+    if "image_grid_thw" not in pixels:
+        return pixels
+    grids, patches = [], []
+    for grid, values in zip(pixels["image_grid_thw"], pixels["pixel_values"], strict=True):
+        grid = grid[grid.prod(-1) > 0]
+        grids.append(grid)
+        patches.append(values[: int(grid.prod(-1).sum())])
+    return {"pixel_values": torch.cat(patches), "image_grid_thw": torch.cat(grids)}
+
+
+def image_features(model: torch.nn.Module, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(image tokens, hidden) the features of the stacked ``pixels``' images, in the order of their
+    image tokens (row by row), as the model's own forward computes them."""
+    features = base_model(model).model.get_image_features(**forward_pixels(pixels)).pooler_output
+    return torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+
+
 def image_embeddings(
     model: torch.nn.Module, ids: torch.Tensor, pixels: dict[str, torch.Tensor], prompt_width: int
 ) -> torch.Tensor:
@@ -159,12 +217,8 @@ def image_embeddings(
     the image tokens among its first ``prompt_width`` columns (its prompt). What the model's own
     merge does, except that an image token the policy sampled in a response stays a token, as it is
     in the engine's decode steps (the model's merge would count it as one more image position)."""
-    inner = base_model(model).model
-    embeds = inner.get_input_embeddings()(ids)
-    features = inner.get_image_features(
-        pixels["pixel_values"], pixels.get("pixel_attention_mask")
-    ).pooler_output
-    features = torch.cat(list(features)) if isinstance(features, (list, tuple)) else features
+    embeds = base_model(model).model.get_input_embeddings()(ids)
+    features = image_features(model, pixels)
     columns = torch.arange(ids.shape[1], device=ids.device)
     where = (ids == base_model(model).config.image_token_id) & (columns < prompt_width)
     if int(where.sum()) != features.shape[0]:
@@ -177,7 +231,8 @@ def image_embeddings(
 
 def language_lora_targets(names: Sequence[str] | str) -> str:
     """peft's ``target_modules`` for LoRA on the language model only: a regular expression (peft matches
-    a string whole against each module's name) over the modules named ``names`` under ``text_model``,
-    ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower and the connector get no adapter."""
+    a string whole against each module's name) over the modules named ``names`` under the language
+    model (:data:`LANGUAGE_MODULES`), ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower
+    and the connector get no adapter."""
     chosen = LANGUAGE_LINEAR if names == "all-linear" else names
-    return rf".*\.text_model\..*\.({'|'.join(map(re.escape, chosen))})"
+    return rf".*\.({'|'.join(LANGUAGE_MODULES)})\..*\.({'|'.join(map(re.escape, chosen))})"

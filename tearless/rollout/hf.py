@@ -15,9 +15,10 @@ import torch
 
 from tearless.models.compat import cache_kwargs
 from tearless.models.loading import compute_device
+from tearless.models.mrope import prompt_rope, sequence_positions
 from tearless.models.packing import use_tearless_attention
 from tearless.models.precision import autocast, forward_only
-from tearless.models.vision import stack_pixels
+from tearless.models.vision import forward_pixels, stack_pixels
 from tearless.rollout.decode_step import filter_logits, sample_step
 from tearless.rollout.engine import Capabilities, RolloutOutput, concat_rollouts, left_pad, select_rows
 from tearless.rollout.seeds import sample_keys, uniforms
@@ -166,18 +167,23 @@ class HFRollout:
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor, capacity: int, pixels: dict | None = None):
         """Forward left-padded ``ids`` (rows, L), with their ``pixels`` (a vision-language model's
         stacked pixel inputs, one row per row of ``ids``), into a fresh decode cache of ``capacity``
-        positions; returns (last-position logits in float32, cache, attention mask, next position ids)."""
+        positions; returns (last-position logits in float32, cache, attention mask, next position ids).
+        With M-RoPE (:mod:`tearless.models.mrope`) the prompt takes the model's positions and the next
+        ones are the text positions plus the row's delta, one (B, 1) tensor that the model reads in
+        all three sections."""
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        rope = prompt_rope(self.model, ids, attn, pixels)
         cache = decode_cache(self.model.config, capacity)
         out = self.model(
             input_ids=ids,
             attention_mask=attn,
-            position_ids=positions,
+            position_ids=sequence_positions(positions, ids.shape[1], rope),
             logits_to_keep=1,
-            **(pixels or {}),
+            **({} if pixels is None else forward_pixels(pixels)),
             **cache_kwargs(self.model, cache),
         )
-        return out.logits[:, -1, :].float(), cache, attn, positions[:, -1:] + 1
+        next_pos = positions[:, -1:] + 1 + (0 if rope is None else rope[1])
+        return out.logits[:, -1, :].float(), cache, attn, next_pos
 
     def _decode(
         self,

@@ -48,21 +48,33 @@ def test_the_task_model_is_an_idefics3_loaded_with_its_processor(vlm_task, polic
     assert set(items[0]["multi_modal_inputs"]) == {"pixel_values", "pixel_attention_mask"}
 
 
-@pytest.mark.parametrize("share_prompts", [True, False])
-def test_sampling_log_probs_equal_the_padded_training_pass(policy, share_prompts):
-    model, tok, items = policy
-    items = items[:6]
+def sample_and_score(model, tok, items, *, n: int, max_new_tokens: int, share_prompts: bool):
+    """The engine's samples of ``items`` (``n`` each, keyed) with their pixels, the training pass's
+    log-probs of them, and the rows' stacked pixels."""
     engine = HFRollout(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     vision = [it["multi_modal_inputs"] for it in items]
     out = engine.generate(
-        [it["input_ids"] for it in items], n=4, max_new_tokens=4, keys=list(range(6)), vision=vision
+        [it["input_ids"] for it in items],
+        n=n,
+        max_new_tokens=max_new_tokens,
+        keys=list(range(len(items))),
+        vision=vision,
     )
-    pixels = stack_pixels([v for v in vision for _ in range(4)])
+    pixels = stack_pixels([v for v in vision for _ in range(n)])
     with torch.no_grad():
         lp, _ = response_logprobs(
             model, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask,
             share_prompts=share_prompts, vision=pixels,
         )  # fmt: skip
+    return out, lp, pixels
+
+
+@pytest.mark.parametrize("share_prompts", [True, False])
+def test_sampling_log_probs_equal_the_padded_training_pass(policy, share_prompts):
+    model, tok, items = policy
+    out, lp, pixels = sample_and_score(
+        model, tok, items[:6], n=4, max_new_tokens=4, share_prompts=share_prompts
+    )
     mask = out.response_mask.bool()
     assert mask.sum() >= 24
     assert (lp - out.log_probs)[mask].abs().max() <= tolerance(model)
@@ -111,12 +123,13 @@ def test_freezing_the_vision_tower_leaves_the_rest_trainable(vlm_task):
 
 def test_unsupported_architectures_are_refused_with_the_reason():
     with pytest.raises(ValueError) as e:
-        check_supported("qwen2_vl", "actor_rollout_ref.model.path")
+        check_supported("llava", "actor_rollout_ref.model.path")
     assert str(e.value).startswith(
-        "actor_rollout_ref.model.path: the vision-language model type 'qwen2_vl' is not supported: its "
-        "three-dimensional rotary positions (M-RoPE)"
+        "actor_rollout_ref.model.path: the vision-language model type 'llava' is not supported: tearless "
+        "has not checked its image-token layout and positions"
     )
-    check_supported("smolvlm")
+    for kind in ("smolvlm", "idefics3", "qwen2_vl", "qwen2_5_vl"):
+        check_supported(kind)
 
 
 def test_a_smolvlm_takes_the_same_route(tmp_path):

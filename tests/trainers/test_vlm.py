@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,12 +16,16 @@ from safetensors.torch import load_file
 from tearless import train
 from tearless.config import ConfigError, load_config
 from tearless.data import write_parquet
+from tearless.models.vision import QWEN_PROCESSORS
+from tearless.tasks import vlm_count, vlm_qwen
 
 TOWER = "model.vision_model."
 ARR = "actor_rollout_ref"
 
 
 def vlm_overrides(vlm_task, run_dir, *extra: str) -> list[str]:
+    """A 2-step GRPO run on ``vlm_task``'s model and files (anything with ``model_dir``, ``train_file``
+    and ``val_file``)."""
     return [
         f"actor_rollout_ref.model.path={vlm_task.model_dir}",
         f"data.train_files={vlm_task.train_file}",
@@ -104,6 +109,56 @@ def test_one_step_off_async_in_one_process(vlm_task, tmp_path):
     assert "pixel" not in str(torch.load(saved / "trainer_state.pt", weights_only=True))
 
 
+def qwen_files(tmp_path, model_type: str) -> SimpleNamespace:
+    """A tiny Qwen2-VL or Qwen2.5-VL (tearless.tasks.vlm_qwen) and vlm_count parquets in ``tmp_path``."""
+    write_parquet(vlm_count.generate_rows(8, seed=1, split="train")[0], tmp_path / "train.parquet")
+    write_parquet(vlm_count.generate_rows(4, seed=2, split="test")[0], tmp_path / "test.parquet")
+    return SimpleNamespace(
+        model_dir=vlm_qwen.save_task_model(tmp_path / "model", model_type=model_type),
+        train_file=tmp_path / "train.parquet",
+        val_file=tmp_path / "test.parquet",
+    )
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl"])
+def test_a_qwen_vl_policy_trains_two_steps_with_its_tower_left(tmp_path, model_type):
+    """Qwen2-VL (three-dimensional rotary positions, flat patches) through the same route: sampled with
+    its pixels and M-RoPE positions, recomputed by the trainer to rounding, its tower byte-equal."""
+    files = qwen_files(tmp_path, model_type)
+    model = files.model_dir
+    overrides = vlm_overrides(files, tmp_path / "run", "algorithm.rollout_correction.rollout_is=token")
+    summary = train(None, overrides, log=lambda _: None)
+    assert summary["steps"] == 2 and "val-core/vlm_count/acc/greedy" in summary["after"]
+    before = load_file(model / "model.safetensors")
+    saved = tmp_path / "run" / "global_step_2" / "actor"
+    after = load_file(saved / "model.safetensors")
+    # Saved under Qwen's checkpoint names: the tower (its merger included) is visual.*, the language
+    # model model.layers.* and model.embed_tokens.
+    tower = [name for name in before if name.startswith("visual.")]
+    changed = {name for name in before if not before[name].equal(after[name])}
+    assert tower and changed and not changed & set(tower)
+    assert {name for name in changed if name.startswith("model.layers.")}
+    processor = json.loads((saved / "processor_config.json").read_text())["processor_class"]
+    assert processor == QWEN_PROCESSORS[model_type]  # the checkpoint's processor is Qwen's own class
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/pg_loss" in m]
+    # The engine's positions and the trainer's are one: the log-probs agree to rounding (a wrong
+    # position moves them by 0.25 or more on this model, tests/models/test_qwen_vl.py).
+    assert len(steps) == 2 and max(m["rollout_corr/max_abs_log_ratio"] for m in steps) < 1e-4
+
+
+def test_lora_on_a_qwen_vl_policy_goes_on_its_language_model(tmp_path):
+    files = qwen_files(tmp_path, "qwen2_vl")
+    extra = ("actor_rollout_ref.model.lora_rank=8", "algorithm.rollout_correction.rollout_is=token")
+    assert train(None, vlm_overrides(files, tmp_path / "run", *extra), log=lambda _: None)["steps"] == 2
+    adapter = load_file(tmp_path / "run" / "global_step_2" / "actor" / "adapter_model.safetensors")
+    # A and B of q, k, v, o, gate, up and down in each of the 2 language-model layers; none in the tower
+    assert len(adapter) == 2 * 7 * 2 and all(".language_model.layers." in name for name in adapter)
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "actor/pg_loss" in m]
+    assert max(m["rollout_corr/max_abs_log_ratio"] for m in steps) < 1e-4  # 1.4e-6 measured
+
+
 def geo3k_rows(n: int) -> list[dict]:
     """Rows as veRL's examples/data_preprocess/geo3k.py writes them (the problem text opens with
     ``<image>``, a PIL image stored by ``datasets`` as ``{"bytes", "path"}``), with drawn diagrams."""
@@ -180,6 +235,6 @@ def test_vllm_on_cpu_is_refused_for_heads_its_attention_cannot_take():
 
 
 def test_an_unsupported_architecture_is_refused_before_loading(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_vl", "vision_config": {}}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.model.path: the vision-language model type "):
         load_config(None, [f"actor_rollout_ref.model.path={tmp_path}"])
