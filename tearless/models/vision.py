@@ -18,10 +18,11 @@ shape with zeros, as the processor pads a batch; Idefics3 drops the all-zero pad
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +182,26 @@ def language_lora_targets(names: Sequence[str] | str) -> str:
     ``all-linear`` meaning :data:`LANGUAGE_LINEAR`. The vision tower and the connector get no adapter."""
     chosen = LANGUAGE_LINEAR if names == "all-linear" else names
     return rf".*\.text_model\..*\.({'|'.join(map(re.escape, chosen))})"
+
+
+@contextlib.contextmanager
+def images_placed(
+    model: torch.nn.Module, pixels: dict[str, torch.Tensor], prompt_width: int
+) -> Iterator[None]:
+    """Within it, a forward of ``model`` given ``input_ids`` reads them as :func:`image_embeddings` of
+    ``pixels`` and ``prompt_width``: a pre-hook on the inner model (under the causal-LM head) turns its
+    ``input_ids`` into those ``inputs_embeds``. The same numbers as passing the embeddings, but made
+    inside the model's own forward, where an FSDP2-sharded model has gathered the embedding, the
+    connector and the vision tower; its gradient reduction then waits for the backward through them
+    (given as ``inputs_embeds`` from outside, the root's reduction fired once their gradient was
+    reached, before the embedding's and the connector's gradients were added: they were lost)."""
+
+    def place(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs["inputs_embeds"] = image_embeddings(model, kwargs.pop("input_ids"), pixels, prompt_width)
+        return args, kwargs
+
+    handle = base_model(model).model.register_forward_pre_hook(place, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

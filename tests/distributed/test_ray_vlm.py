@@ -1,0 +1,153 @@
+"""A vision-language policy on the Ray placement: the vlm_count task's tiny Idefics3 trained by GRPO on
+2 CPU workers (FSDP2 over gloo: the language model's decoder layers and the vision encoder's layers
+sharded) against the same run in one process.
+
+Sampling is keyed by each sample's identity (:mod:`tearless.rollout.seeds`), so both runs draw the same
+responses; the workers' share of the batch carries each row's pixels into the actor's, the reference's
+and the update's forwards. Tolerances as in tests/distributed/test_ray_fsdp.py (sharding reorders float
+sums, tests/tolerances.py), with the vision tower's and the connector's dot products added to the chain
+behind a logit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from tearless import train
+from tearless.models.loading import load_causal_lm
+from tearless.run.tracking import read_metrics
+from tests.distributed.test_ray_fsdp import rollouts
+from tests.tolerances import (
+    LOGIT_BOUND,
+    eps,
+    forward_terms,
+    kl_of_equal_policies,
+    log_softmax_tol,
+    module_terms,
+    sum_tol,
+)
+
+pytestmark = pytest.mark.slow
+
+TOWER = "model.vision_model."
+# The update's logged numbers compared between the placements (a KL loss: the reference pass too).
+COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+PROMPTS, N, RESPONSE = 4, 4, 4  # per step: 16 responses of at most 4 tokens
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    root = Path(__file__).resolve().parents[2]
+    path = [str(root), str(root / "tests"), os.environ.get("PYTHONPATH")]
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, path))}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
+    yield ray
+    ray.shutdown()
+
+
+def vlm_run(vlm_task, run_dir, *extra: str) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={vlm_task.model_dir}",
+        f"data.train_files={vlm_task.train_file}",
+        f"data.val_files={vlm_task.val_file}",
+        f"trainer.default_local_dir={run_dir}",
+        f"data.train_batch_size={PROMPTS}",
+        f"actor_rollout_ref.rollout.n={N}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
+        f"data.max_response_length={RESPONSE}",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        "algorithm.rollout_correction.rollout_is=token",  # logs the engine's against the pass's log-probs
+        "actor_rollout_ref.model.share_prompt_forward=false",  # sharded ranks never share prompts
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+        "data.val_max_samples=4",
+        "trainer.num_rollout_samples=64",
+        "trainer.num_threads=1",
+        "trainer.worker_timeout_s=300",  # a fresh pool on a loaded 2-core machine starts slowly
+        "trainer.logger=[jsonl]",
+        "reward_model.num_workers=0",
+        *extra,
+    ]
+
+
+def length_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
+    """The response's length in characters: a reward that varies within every group of the 5-step
+    model (whose counts are still all wrong), so that GRPO's advantages and updates are not zero. The
+    workers unpickle it: they import this module (the session's PYTHONPATH)."""
+    return float(len(solution_str))
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, vlm_task, tmp_path_factory):
+    local = tmp_path_factory.mktemp("vlm-local")
+    train(None, vlm_run(vlm_task, local), reward_fn=length_score, log=lambda _: None)
+    ray_dir = tmp_path_factory.mktemp("vlm-ray")
+    two = ("trainer.placement=ray", "trainer.n_gpus_per_node=2")
+    train(None, vlm_run(vlm_task, ray_dir, *two), reward_fn=length_score, log=lambda _: None)
+    return local, ray_dir
+
+
+def chain_terms(model_dir) -> int:
+    """The accumulations behind one logit of the task's Idefics3: the vision tower's and the connector's
+    dot products, then the language model's (tests/tolerances.py)."""
+    model = load_causal_lm(model_dir, meta=True)
+    inner = model.model
+    return module_terms(inner.vision_model) + module_terms(inner.connector) + forward_terms(
+        model.config.text_config
+    )
+
+
+def test_two_grpo_steps_on_two_workers_match_the_single_process_run(runs, vlm_task):
+    local, ray_dir = runs
+    terms = chain_terms(vlm_task.model_dir)
+    vocab = AutoConfig.from_pretrained(vlm_task.model_dir).text_config.vocab_size
+    # Two forwards' token log-probs: twice the logit's bound plus the log-softmax's.
+    logprob = 2 * sum_tol(terms, LOGIT_BOUND) + log_softmax_tol(vocab)
+    tokens = PROMPTS * N * RESPONSE
+    # A logged loss, KL or norm: the gradient's sums (a forward and a backward per token, summed over
+    # the step's tokens), terms of both signs, safety 10 (as test_ray_fsdp's loss_rel).
+    rel = sum_tol(2 * terms + tokens, 1.0, safety=10)
+    a, b = read_metrics(local / "metrics.jsonl"), read_metrics(ray_dir / "metrics.jsonl")
+    assert [m["step"] for m in b] == [1, 2]
+    ra, rb = rollouts(local), rollouts(ray_dir)
+    for step, (ma, mb) in enumerate(zip(a, b, strict=True), start=1):
+        assert len(rb[step]) == PROMPTS * N and rb[step] == ra[step], step  # the same samples, scores
+        for key in COMPARED:
+            assert mb[key] == pytest.approx(ma[key], rel=rel, abs=rel), (step, key)
+        # The workers' log-prob pass read the images: it agrees with the engine that sampled with them
+        # (an image-blind pass is ~7e-3 off on this model, tests/models/test_vision.py).
+        assert mb["rollout_corr/max_abs_log_ratio"] <= 2 * logprob, step
+    assert b[0]["critic/advantages/max"] > 0.5  # the length reward gave the update a signal
+    # Step 1: π_θ = π_ref, a KL of equal policies to rounding; step 2: the update moved π_θ off it.
+    zero_kl = kl_of_equal_policies("low_var_kl", logprob)
+    assert b[0]["actor/kl_loss"] <= zero_kl < 10 * zero_kl < b[1]["actor/kl_loss"]
+
+
+def test_the_tower_is_byte_equal_and_the_language_model_moved_as_in_one_process(runs, vlm_task):
+    local, ray_dir = runs
+    start = load_file(Path(vlm_task.model_dir) / "model.safetensors")
+    wa = load_file(local / "global_step_2" / "actor" / "model.safetensors")
+    wb = load_file(ray_dir / "global_step_2" / "actor" / "model.safetensors")
+    assert wa.keys() == wb.keys() == start.keys()
+    tower = {name for name in start if name.startswith(TOWER)}
+    changed = {name for name in start if not start[name].equal(wb[name])}
+    assert tower and not changed & tower  # frozen on every rank: no gradient, no optimizer state
+    assert any(".text_model.layers." in name for name in changed)
+    assert any(".connector." in name for name in changed)
+    # The same two AdamW steps: 2 ulps of |θ| per step, plus the gradients' rounding relative to the
+    # distance travelled (safety 10, AdamW's division by √v̂ + ε, as test_ray_fsdp's assert_same_steps).
+    terms = 2 * chain_terms(vlm_task.model_dir) + PROMPTS * N * RESPONSE
+    for name in start:
+        moved = float((wa[name] - start[name]).abs().max())
+        atol = 2 * 2 * eps(wa[name].dtype) * float(wa[name].abs().max()) + sum_tol(terms, moved, safety=10)
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=atol, msg=name)
