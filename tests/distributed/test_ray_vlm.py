@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
@@ -37,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 TOWER = "model.vision_model."
 # The update's logged numbers compared between the placements (a KL loss: the reference pass too).
-COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl")
+COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
 PROMPTS, N, RESPONSE = 4, 4, 4  # per step: 16 responses of at most 4 tokens
 
 
@@ -107,12 +106,17 @@ def chain_terms(model_dir) -> int:
     )
 
 
+def logprob_tol(model_dir) -> float:
+    """Two forwards' token log-probs: twice the logit's bound plus the log-softmax's (tests/tolerances.py,
+    with the vision tower in the chain)."""
+    vocab = AutoConfig.from_pretrained(model_dir).text_config.vocab_size
+    return 2 * sum_tol(chain_terms(model_dir), LOGIT_BOUND) + log_softmax_tol(vocab)
+
+
 def test_two_grpo_steps_on_two_workers_match_the_single_process_run(runs, vlm_task):
     local, ray_dir = runs
     terms = chain_terms(vlm_task.model_dir)
-    vocab = AutoConfig.from_pretrained(vlm_task.model_dir).text_config.vocab_size
-    # Two forwards' token log-probs: twice the logit's bound plus the log-softmax's.
-    logprob = 2 * sum_tol(terms, LOGIT_BOUND) + log_softmax_tol(vocab)
+    logprob = logprob_tol(vlm_task.model_dir)
     tokens = PROMPTS * N * RESPONSE
     # A logged loss, KL or norm: the gradient's sums (a forward and a backward per token, summed over
     # the step's tokens), terms of both signs, safety 10 (as test_ray_fsdp's loss_rel).
@@ -126,7 +130,7 @@ def test_two_grpo_steps_on_two_workers_match_the_single_process_run(runs, vlm_ta
             assert mb[key] == pytest.approx(ma[key], rel=rel, abs=rel), (step, key)
         # The workers' log-prob pass read the images: it agrees with the engine that sampled with them
         # (an image-blind pass is ~7e-3 off on this model, tests/models/test_vision.py).
-        assert mb["rollout_corr/max_abs_log_ratio"] <= 2 * logprob, step
+        assert mb["rollout_corr/max_abs_log_ratio"] <= logprob, step
     assert b[0]["critic/advantages/max"] > 0.5  # the length reward gave the update a signal
     # Step 1: π_θ = π_ref, a KL of equal policies to rounding; step 2: the update moved π_θ off it.
     zero_kl = kl_of_equal_policies("low_var_kl", logprob)
@@ -144,10 +148,49 @@ def test_the_tower_is_byte_equal_and_the_language_model_moved_as_in_one_process(
     assert tower and not changed & tower  # frozen on every rank: no gradient, no optimizer state
     assert any(".text_model.layers." in name for name in changed)
     assert any(".connector." in name for name in changed)
-    # The same two AdamW steps: 2 ulps of |θ| per step, plus the gradients' rounding relative to the
-    # distance travelled (safety 10, AdamW's division by √v̂ + ε, as test_ray_fsdp's assert_same_steps).
+    # The same two AdamW steps, compared tensor by tensor in the L2 norm: 2 ulps of θ per step, plus the
+    # gradients' rounding relative to the distance travelled, safety 10 (test_ray_fsdp's
+    # assert_same_steps). Not entry by entry: AdamW divides by √v̂ + ε, so an entry whose gradient is
+    # within rounding of zero may take another step altogether (up to a flipped sign, 2·lr); one
+    # gate_proj entry here came within 4% of the per-entry bound, while over a tensor such entries
+    # are a small share (4e-5 of the step's norm measured, the bound 3.6e-3). A lost gradient (the
+    # embedding's or the connector's) changes its tensor's step by its whole size.
     terms = 2 * chain_terms(vlm_task.model_dir) + PROMPTS * N * RESPONSE
     for name in start:
-        moved = float((wa[name] - start[name]).abs().max())
-        atol = 2 * 2 * eps(wa[name].dtype) * float(wa[name].abs().max()) + sum_tol(terms, moved, safety=10)
-        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=atol, msg=name)
+        moved = float((wa[name] - start[name]).norm())
+        tol = 2 * 2 * eps(wa[name].dtype) * float(wa[name].norm()) + sum_tol(terms, moved, safety=10)
+        assert float((wb[name] - wa[name]).norm()) <= tol, name
+
+
+def test_one_step_off_on_a_rollout_worker_matches_one_process(ray_session, vlm_task, tmp_path):
+    """async k = 1 with a separate rollout worker (the split placement): the training worker broadcasts
+    the policy (vision tower included) after every update and the rollout worker samples each batch
+    with its images one update behind, exactly what the same schedule samples in one process."""
+    common = (
+        "async_training.enable=true",
+        "async_training.max_staleness=1",
+        "trainer.total_training_steps=3",
+        "trainer.save_freq=3",
+    )
+    split = (
+        "trainer.placement=ray",
+        "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    )
+    for name, extra in (("local", common), ("split", (*common, *split))):
+        train(None, vlm_run(vlm_task, tmp_path / name, *extra), reward_fn=length_score, log=lambda _: None)
+    local, ray_run = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("local", "split"))
+    assert [m["async/staleness_max"] for m in ray_run] == [0, 1, 1]
+    logprob = logprob_tol(vlm_task.model_dir)
+    assert ray_run[0]["rollout_corr/max_abs_log_ratio"] <= logprob  # sampled by the weights it trains
+    for a, b in zip(local, ray_run, strict=True):
+        # The worker samples with a broadcast copy of the weights the single process samples with.
+        assert a["critic/score/mean"] == b["critic/score/mean"]
+        assert a["response_length/mean"] == b["response_length/mean"]
+        assert b["timing_s/update_weights"] > 0
+        # One update behind: the pass's log-probs are the newer policy's, the engine's the older's; the
+        # training worker is alone (unsharded), so each of the two is the single process's to the
+        # log-prob bound, and their largest difference within twice that.
+        ratio = a["rollout_corr/max_abs_log_ratio"]
+        assert b["rollout_corr/max_abs_log_ratio"] == pytest.approx(ratio, abs=2 * logprob)
