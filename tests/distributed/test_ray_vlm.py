@@ -11,7 +11,6 @@ behind a logit.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from transformers import AutoConfig
 from tearless import train
 from tearless.models.loading import load_causal_lm
 from tearless.run.tracking import read_metrics
-from tests.distributed.test_ray_fsdp import rollouts
+from tests.distributed.test_ray_fsdp import ray_session, rollouts  # noqa: F401 (the Ray session)
 from tests.tolerances import (
     LOGIT_BOUND,
     eps,
@@ -31,52 +30,34 @@ from tests.tolerances import (
     module_terms,
     sum_tol,
 )
+from tests.trainers.test_vlm import vlm_overrides
 
-pytestmark = pytest.mark.slow
+# Every test in test_ray_fsdp's Ray session, whose workers import the tests' modules (length_score).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
 
 TOWER = "model.vision_model."
 # The update's logged numbers compared between the placements (a KL loss: the reference pass too).
 COMPARED = ("actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/grad_norm")
-PROMPTS, N, RESPONSE = 4, 4, 4  # per step: 16 responses of at most 4 tokens
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    root = Path(__file__).resolve().parents[2]
-    path = [str(root), str(root / "tests"), os.environ.get("PYTHONPATH")]
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, path))}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-    yield ray
-    ray.shutdown()
+PROMPTS, N, RESPONSE = 4, 4, 4  # vlm_overrides' step: 16 responses of at most 4 tokens
 
 
 def vlm_run(vlm_task, run_dir, *extra: str) -> list[str]:
-    return [
-        f"actor_rollout_ref.model.path={vlm_task.model_dir}",
-        f"data.train_files={vlm_task.train_file}",
-        f"data.val_files={vlm_task.val_file}",
-        f"trainer.default_local_dir={run_dir}",
-        f"data.train_batch_size={PROMPTS}",
-        f"actor_rollout_ref.rollout.n={N}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",
-        f"data.max_response_length={RESPONSE}",
-        "actor_rollout_ref.actor.use_kl_loss=true",
+    """test_vlm's two GRPO steps (4 prompts × 4 responses of at most 4 tokens, a KL loss), every
+    response recorded, one thread per process."""
+    return vlm_overrides(
+        vlm_task,
+        run_dir,
         "actor_rollout_ref.actor.optim.lr=1e-3",
         "algorithm.rollout_correction.rollout_is=token",  # logs the engine's against the pass's log-probs
         "actor_rollout_ref.model.share_prompt_forward=false",  # sharded ranks never share prompts
         "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
-        "trainer.total_training_steps=2",
-        "trainer.save_freq=2",
         "trainer.val_before_train=false",
         "data.val_max_samples=4",
         "trainer.num_rollout_samples=64",
         "trainer.num_threads=1",
         "trainer.worker_timeout_s=300",  # a fresh pool on a loaded 2-core machine starts slowly
-        "trainer.logger=[jsonl]",
-        "reward_model.num_workers=0",
         *extra,
-    ]
+    )
 
 
 def length_score(data_source, solution_str, ground_truth, extra_info=None) -> float:
@@ -87,7 +68,7 @@ def length_score(data_source, solution_str, ground_truth, extra_info=None) -> fl
 
 
 @pytest.fixture(scope="module")
-def runs(ray_session, vlm_task, tmp_path_factory):
+def runs(vlm_task, tmp_path_factory):
     local = tmp_path_factory.mktemp("vlm-local")
     train(None, vlm_run(vlm_task, local), reward_fn=length_score, log=lambda _: None)
     ray_dir = tmp_path_factory.mktemp("vlm-ray")
@@ -162,7 +143,7 @@ def test_the_tower_is_byte_equal_and_the_language_model_moved_as_in_one_process(
         assert float((wb[name] - wa[name]).norm()) <= tol, name
 
 
-def test_one_step_off_on_a_rollout_worker_matches_one_process(ray_session, vlm_task, tmp_path):
+def test_one_step_off_on_a_rollout_worker_matches_one_process(vlm_task, tmp_path):
     """async k = 1 with a separate rollout worker (the split placement): the training worker broadcasts
     the policy (vision tower included) after every update and the rollout worker samples each batch
     with its images one update behind, exactly what the same schedule samples in one process."""
