@@ -39,8 +39,10 @@ def shard_model(
     param_offload: bool = False,
     param_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    blocks: Callable[[torch.nn.Module], list[torch.nn.Module]] = decoder_layers,
 ) -> torch.nn.Module:
-    """Apply ``fully_shard`` to every transformer block, then to the root; return the same module.
+    """Apply ``fully_shard`` to every transformer block (``blocks(model)``, by default
+    :func:`decoder_layers`), then to the root; return the same module.
 
     ``param_offload`` keeps the sharded parameters (and therefore the optimizer's state and step) in
     CPU memory (``CPUOffloadPolicy``). ``param_dtype`` (e.g. ``torch.bfloat16`` on GPU) runs forward
@@ -56,7 +58,7 @@ def shard_model(
     }
     if param_dtype is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for block in decoder_layers(model):
+    for block in blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -32,6 +32,7 @@ The entropy, a full pass over the vocabulary, is computed only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -44,7 +45,7 @@ from tearless.models.loading import compute_device
 from tearless.models.mrope import prompt_rope, sequence_positions
 from tearless.models.packing import pack_rows, packable, packed_forward
 from tearless.models.precision import autocast_for
-from tearless.models.vision import forward_pixels, image_embeddings
+from tearless.models.vision import forward_pixels, images_placed
 
 
 def sequence_inputs(
@@ -340,25 +341,26 @@ def length_buckets(lengths: list[int], overhead: int) -> list[list[int]]:
 def _plain_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, pixels=None) -> torch.Tensor:
     """(B, R, V) logits predicting each response token from one pass over every whole sequence (with
     each row's ``pixels``, a vision-language model's, placed by
-    :func:`~tearless.models.vision.image_embeddings`)."""
+    :func:`~tearless.models.vision.image_embeddings` inside the forward,
+    :func:`~tearless.models.vision.images_placed`)."""
     ids, mask, positions = sequence_inputs(
         prompt_ids, prompt_mask, response_ids[:, :-1], response_mask[:, :-1]
     )
-    if pixels is None:
-        tokens = {"input_ids": ids}
-    else:  # the image features go to the prompt's image tokens only (image_embeddings)
+    placed = contextlib.nullcontext()
+    if pixels is not None:  # the image features go to the prompt's image tokens only (image_embeddings)
         prompt_width = ids.shape[1] - (response_ids.shape[1] - 1)
-        tokens = {"inputs_embeds": image_embeddings(model, ids, pixels, prompt_width)}
+        placed = images_placed(model, pixels, prompt_width)
         # M-RoPE: the prompts' positions the model's, every later one shifted by the row's delta
         rope = prompt_rope(model, ids[:, :prompt_width], mask[:, :prompt_width], pixels)
         positions = sequence_positions(positions, prompt_width, rope)
-    return model(
-        **tokens,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=response_ids.shape[1],
-    ).logits
+    with placed:
+        return model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=response_ids.shape[1],
+        ).logits
 
 
 def _fast_logits(

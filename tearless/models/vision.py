@@ -22,11 +22,12 @@ Qwen2-VL's exactly (a padding grid is all zeros, a row's patches are as many as 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -236,3 +237,28 @@ def language_lora_targets(names: Sequence[str] | str) -> str:
     and the connector get no adapter."""
     chosen = LANGUAGE_LINEAR if names == "all-linear" else names
     return rf".*\.({'|'.join(LANGUAGE_MODULES)})\..*\.({'|'.join(map(re.escape, chosen))})"
+
+
+@contextlib.contextmanager
+def images_placed(
+    model: torch.nn.Module, pixels: dict[str, torch.Tensor], prompt_width: int
+) -> Iterator[None]:
+    """Within it, a forward of ``model`` given ``input_ids`` reads them as :func:`image_embeddings` of
+    ``pixels`` and ``prompt_width``: a pre-hook on the inner model (under the causal-LM head) turns its
+    ``input_ids`` into those ``inputs_embeds``. The same numbers as passing the embeddings, made inside
+    the model's own forward, where an FSDP2-sharded model has gathered its root's parameters (the
+    embeddings, the connector) and reduces their gradients after the backward went through them. Made
+    outside, they read sharded weights (an error); made after gathering the root by hand, FSDP2
+    reduced the root's gradients as soon as the backward reached ``inputs_embeds`` (an input of the
+    forward), before the embedding's and the connector's were added, which were lost (measured on 2
+    gloo ranks: 19 of the 21 trained tensors had gradients)."""
+
+    def place(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs["inputs_embeds"] = image_embeddings(model, kwargs.pop("input_ids"), pixels, prompt_width)
+        return args, kwargs
+
+    handle = base_model(model).model.register_forward_pre_hook(place, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from tearless.config.plan import role_key
-from tearless.distributed.fsdp import shard_from_rank0
+from tearless.distributed.fsdp import decoder_layers, shard_from_rank0
 from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
-from tearless.models.vision import freeze_vision_tower, vision_model_type
+from tearless.models.vision import freeze_vision_tower, vision_model_type, vision_tower
 from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
@@ -68,6 +68,7 @@ class ModelBuilder:
         model = shard_from_rank0(
             build,
             self.mesh,
+            blocks=fsdp_blocks,
             rank=self.rank,
             device="cpu" if fsdp.param_offload and cuda else self.device,
             param_offload=fsdp.param_offload and cuda,
@@ -139,6 +140,22 @@ class ModelBuilder:
             )
 
         return self.shard(build, "critic")
+
+
+def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards as units of ``model`` (before its root): the transformer blocks
+    (:func:`~tearless.distributed.fsdp.decoder_layers`); for a vision-language model, the language
+    model's decoder layers (the longest ``nn.ModuleList`` outside the vision tower) and the vision
+    tower's encoder layers, whichever is longer. A frozen tower's units are gathered for its forward
+    and freed after it, and take no part in the backward."""
+    if getattr(model.config, "vision_config", None) is None:
+        return decoder_layers(model)
+    tower = vision_tower(model)
+    inside = {id(m) for m in tower.modules()}
+    lists = [
+        m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) and id(m) not in inside
+    ]
+    return list(max(lists, key=len)) + decoder_layers(tower)
 
 
 def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained: torch.nn.Module | None):

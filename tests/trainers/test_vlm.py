@@ -209,7 +209,10 @@ def test_a_verl_geo3k_parquet_trains_two_steps_unchanged(vlm_task, tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("trainer.placement=ray", "trainer.placement: the Ray placement is not supported for a vision"),
+        (
+            "trainer.placement=ray trainer.n_gpus_per_node=2 actor_rollout_ref.rollout.name=vllm",
+            "actor_rollout_ref.rollout.name: vllm on the Ray placement is not supported for a vision",
+        ),
         (
             "async_training.partial_rollout=true",
             "async_training.partial_rollout: a partial rollout is not supported for a vision-language",
@@ -219,7 +222,7 @@ def test_a_verl_geo3k_parquet_trains_two_steps_unchanged(vlm_task, tmp_path):
 )
 def test_what_a_vision_language_run_cannot_have_yet_is_refused(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["task.name=vlm_count", "async_training.enable=true", override])
+        load_config(None, ["task.name=vlm_count", "async_training.enable=true", *override.split()])
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
