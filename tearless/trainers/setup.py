@@ -12,6 +12,7 @@ from typing import Any
 from tearless.config import Config, resume_compat
 from tearless.config.identity import fingerprint_changes, fingerprints
 from tearless.config.plan import RunFiles, adapter_path, critic_path
+from tearless.config.validate_vision import validate_vision
 from tearless.data import PromptDataset, PromptLoader, load_many
 from tearless.data.prompts import check_same_tokenizer, check_vocabulary
 from tearless.models.loading import check_model_dir, load_tokenizer
@@ -38,6 +39,7 @@ def resolve_files(cfg: Config, log: Callable[[str], None]) -> RunFiles:
     if model_path is not None:
         # A Hub ID becomes its cached snapshot here, once, so every rank and engine reads one directory.
         model_path = str(check_model_dir(model_path, "actor_rollout_ref.model.path"))
+        validate_vision(cfg, model_path)  # a Hub ID's model is known to read images only now
     if model_path is None or train_files is None:
         files = prepare_task(
             TaskSpec.from_config(cfg.task), cfg.task.cache_dir, fresh=cfg.task.fresh, log=log

@@ -14,9 +14,11 @@ from PIL import Image, ImageDraw
 from safetensors.torch import load_file
 
 from tearless import train
+from tearless.cli import main
 from tearless.config import ConfigError, load_config
 from tearless.config import validate_vision as vision_checks
 from tearless.data import write_parquet
+from tearless.models.hub import add_to_hub_cache
 from tearless.models.vision import QWEN_PROCESSORS
 from tearless.tasks import vlm_count, vlm_qwen
 
@@ -256,6 +258,26 @@ def test_vllm_with_a_qwen_vl_policy_needs_torchvision(tmp_path, monkeypatch, tor
         "actor_rollout_ref.rollout.name: vllm cannot load a qwen2_vl policy here: vLLM's Qwen-VL models"
     )
     assert "Install the torchvision built for your torch" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_vision_language_model_named_by_hub_id_is_checked_once_resolved(
+    vlm_task, tmp_path, monkeypatch, capsys
+):
+    # A Hub ID reads as text-only until the driver resolves it; the same refusals apply then.
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    add_to_hub_cache(vlm_task.model_dir, "org/tiny-vlm", commit="d" * 40)
+    args = vlm_overrides(vlm_task, tmp_path / "run", "algorithm.adv_estimator=gae")
+    args[0] = f"{ARR}.model.path=org/tiny-vlm"
+    assert main(["train", *args]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1
+    assert errors[0].startswith("tearless: error: critic.enable: a critic is not supported for a vision")
+    assert not (tmp_path / "run").exists()
+    # Without the critic, the Hub ID's snapshot trains as the directory does.
+    assert main(["train", *[a for a in args if a != "algorithm.adv_estimator=gae"]]) == 0
+    assert (tmp_path / "run" / "global_step_2").is_dir()
 
 
 def test_an_unsupported_architecture_is_refused_before_loading(tmp_path):
