@@ -297,6 +297,7 @@ class PromptDataset:
         unk = getattr(tokenizer, "unk_token_id", None)
         self._items: list[dict] = []
         checked = False
+        first_of_kind: dict[bool, int] = {}  # text-only (True) / with images (False) -> its first row
         for index, row in enumerate(rows):
             # A string prompt is plain text, fed as is; normalize_row makes it a user message for the
             # rest of the pipeline (rewards, records) and keeps the text in prompt_text.
@@ -310,6 +311,14 @@ class PromptDataset:
                 checked = True
             where = f"{source}: row {index}"
             images = row_images(row, where, image_key)
+            first_of_kind.setdefault(images is None, index)
+            if len(first_of_kind) > 1:
+                image_row, text_row = first_of_kind[False], first_of_kind[True]
+                raise DataError(
+                    f"{source}: row {text_row} has no image while row {image_row} has; a file of a "
+                    "vision-language run holds images in every row (mixing text-only rows is not supported "
+                    "yet): give each row its image, or train the text rows in a run of their own"
+                )
             if images is not None:
                 text, ids = self._image_prompt_ids(
                     row, images, where, tokenizer, chat_template, template_kwargs

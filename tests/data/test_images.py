@@ -105,6 +105,21 @@ def test_images_without_a_vision_model_and_overlong_image_prompts_are_refused(pr
     assert len(kept) == 1 and kept.num_filtered == 1
 
 
+@pytest.mark.parametrize("first_has_image", [True, False])
+def test_a_text_only_row_among_image_rows_is_one_line_naming_both(processor, first_has_image):
+    rows = [row([{"bytes": png()}]), row([], content="How many red?"), row([{"bytes": png()}])]
+    if not first_has_image:
+        rows = rows[1:]
+    with pytest.raises(DataError) as e:
+        PromptDataset(rows, processor.tokenizer, processor=processor, source="f.parquet")
+    image_row, text_row = (0, 1) if first_has_image else (1, 0)
+    assert str(e.value).startswith(f"f.parquet: row {text_row} has no image while row {image_row} has;")
+    assert "\n" not in str(e.value)
+    # a file of text rows only is read
+    text_rows = [row([], content="How many?")] * 2
+    assert len(PromptDataset(text_rows, processor.tokenizer, processor=processor)) == 2
+
+
 def test_placeholders_become_verls_structured_content():
     messages = [{"role": "user", "content": "<image>Left <image> right"}, {"role": "system", "content": "hi"}]
     assert image_messages(messages) == [
