@@ -81,9 +81,7 @@ def load_sd3(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> 
             raise FileNotFoundError(
                 f"{root} has no {sub}/ folder; point at a diffusers SD3 pipeline directory"
             )
-    transformer = diffusers.SD3Transformer2DModel.from_pretrained(
-        root, subfolder="transformer", dtype=dtype
-    )
+    transformer = diffusers.SD3Transformer2DModel.from_pretrained(root, subfolder="transformer", dtype=dtype)
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(root, subfolder="scheduler")
     return SD3Velocity(transformer, scheduler.config.num_train_timesteps), scheduler
 

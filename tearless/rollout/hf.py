@@ -147,7 +147,14 @@ class HFRollout:
                     )
                 else:
                     tokens, logps, ents, mask, finished, versions = self._decode(
-                        prompts, n, max_new_tokens, draws, sampling, stop_sequences, version, between_tokens,
+                        prompts,
+                        n,
+                        max_new_tokens,
+                        draws,
+                        sampling,
+                        stop_sequences,
+                        version,
+                        between_tokens,
                         vision,
                     )
         finally:

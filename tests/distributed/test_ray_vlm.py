@@ -82,8 +82,10 @@ def chain_terms(model_dir) -> int:
     dot products, then the language model's (tests/tolerances.py)."""
     model = load_causal_lm(model_dir, meta=True)
     inner = model.model
-    return module_terms(inner.vision_model) + module_terms(inner.connector) + forward_terms(
-        model.config.text_config
+    return (
+        module_terms(inner.vision_model)
+        + module_terms(inner.connector)
+        + forward_terms(model.config.text_config)
     )
 
 

@@ -32,8 +32,19 @@ def test_flow_pretrain_then_train_from_the_cli(tmp_path, monkeypatch, capsys):
     assert main(["flow-pretrain", "pretrain.steps=30", f"pretrain.output_dir={base}"]) == 0
     info = json.loads((base / "flow_model.json").read_text())
     assert info["task"] == "points2d" and info["pretrain"]["steps"] == 30
-    assert main(["flow-train", f"model.path={base}", "train.epochs=2", "sample.eval_samples_per_prompt=8",
-                 f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.logger=[jsonl]"]) == 0
+    assert (
+        main(
+            [
+                "flow-train",
+                f"model.path={base}",
+                "train.epochs=2",
+                "sample.eval_samples_per_prompt=8",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+                "trainer.logger=[jsonl]",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "val/reward" in out and "global_step_2" in out
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

@@ -40,8 +40,12 @@ OWN_METRICS = {
 # recipe with a reward model as its only reward (below, and the reward model's runs in test_rm.py);
 # vlm_count's task trains in tests/trainers/test_vlm.py.
 TASK_PRESETS = (
-    "countdown", "knights_knaves", "search_r1", "vlm_count",
-    "word_problems", "word_problems_rm",
+    "countdown",
+    "knights_knaves",
+    "search_r1",
+    "vlm_count",
+    "word_problems",
+    "word_problems_rm",
 )
 
 
