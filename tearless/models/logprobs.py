@@ -396,7 +396,6 @@ def _fast_logits(
         **({} if p_pixels is None else forward_pixels(p_pixels)),
         **cache_kwargs(model, cache),
     )
-    delta = torch.zeros((len(p_ids), 1), dtype=torch.long, device=device) if rope is None else rope[1]
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     group = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
     pieces = []
@@ -417,11 +416,13 @@ def _fast_logits(
         for layer, (keys, values) in zip(bucket_cache.layers, prompt_kv, strict=True):
             layer.update(gather(keys), gather(values))
         mask = torch.cat([gather(p_mask), response_mask[index, : width - 1]], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :]
+        if rope is not None:  # after the prompt every M-RoPE section is the text position plus its delta
+            positions = positions + gather(rope[1])
         out = model(
             input_ids=response_ids[index, : width - 1],
             attention_mask=mask,
-            # after the prompt every M-RoPE section is the text position plus the prompt's delta
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0)[:, p_mask.shape[1] :] + gather(delta),
+            position_ids=positions,
             logits_to_keep=width - 1,
             **cache_kwargs(model, bucket_cache),
         )

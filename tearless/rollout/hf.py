@@ -189,7 +189,9 @@ class HFRollout:
             **({} if pixels is None else forward_pixels(pixels)),
             **cache_kwargs(self.model, cache),
         )
-        next_pos = positions[:, -1:] + 1 + (0 if rope is None else rope[1])
+        next_pos = positions[:, -1:] + 1
+        if rope is not None:  # every later M-RoPE section is the text position plus the prompt's delta
+            next_pos = next_pos + rope[1]
         return out.logits[:, -1, :].float(), cache, attn, next_pos
 
     def _decode(
