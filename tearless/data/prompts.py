@@ -311,7 +311,8 @@ class PromptDataset:
                 checked = True
             where = f"{source}: row {index}"
             images = row_images(row, where, image_key)
-            first_of_kind.setdefault(images is None, index)
+            if processor is not None:  # without one, a row with images is refused by _image_prompt_ids
+                first_of_kind.setdefault(images is None, index)
             if len(first_of_kind) > 1:
                 image_row, text_row = first_of_kind[False], first_of_kind[True]
                 raise DataError(

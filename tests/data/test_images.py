@@ -115,6 +115,11 @@ def test_a_text_only_row_among_image_rows_is_one_line_naming_both(processor, fir
     image_row, text_row = (0, 1) if first_has_image else (1, 0)
     assert str(e.value).startswith(f"f.parquet: row {text_row} has no image while row {image_row} has;")
     assert "\n" not in str(e.value)
+    # for a text model the images are what is wrong, whichever row comes first
+    with pytest.raises(DataError, match=r"row 1 has images but actor_rollout_ref.model.path is not a vision"):
+        PromptDataset(
+            [row([], content="How many red?"), row([{"bytes": png()}])], processor.tokenizer, source="f"
+        )
     # a file of text rows only is read
     text_rows = [row([], content="How many?")] * 2
     assert len(PromptDataset(text_rows, processor.tokenizer, processor=processor)) == 2
