@@ -5,6 +5,7 @@ the engine's log-probs are the training pass's on every route, and its greedy to
 from __future__ import annotations
 
 import io
+import pickle
 import re
 
 import pytest
@@ -76,6 +77,12 @@ def test_the_model_and_its_processor_load_as_qwen(policy):
     # one <|image_pad|> per 2 × 2 merged patches: 4, 6 and 4 + 6
     image = model.config.image_token_id
     assert [it["input_ids"].count(image) for it in items] == [4, 4, 4, 4, 6, 10]
+    # the processor crosses processes (pickle) as itself
+    processor = load_processor(path)
+    again = pickle.loads(pickle.dumps(processor))
+    text = "<|vision_start|><|image_pad|><|vision_end|>How many?"
+    image = Image.new("RGB", (32, 48), "white")
+    assert prompt_inputs(again, text, [image])[0] == prompt_inputs(processor, text, [image])[0]
 
 
 def test_stacked_pixels_unstack_exactly(policy):
