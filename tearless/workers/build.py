@@ -146,8 +146,8 @@ def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules FSDP2 shards as units of ``model`` (before its root): the transformer blocks
     (:func:`~tearless.distributed.fsdp.decoder_layers`); for a vision-language model, the language
     model's decoder layers (the longest ``nn.ModuleList`` outside the vision tower) and the vision
-    tower's encoder layers, whichever is longer. A frozen tower's units are gathered for its forward
-    and freed after it, and take no part in the backward."""
+    tower's encoder layers (its longest ``nn.ModuleList``). A frozen tower's units are gathered for its
+    forward and freed after it, and take no part in the backward."""
     if getattr(model.config, "vision_config", None) is None:
         return decoder_layers(model)
     tower = vision_tower(model)

@@ -15,22 +15,19 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-from transformers import AutoConfig
 
 from tearless import train
 from tearless.models.loading import load_causal_lm
 from tearless.run.tracking import read_metrics
 from tests.distributed.test_ray_fsdp import ray_session, rollouts  # noqa: F401 (the Ray session)
 from tests.tolerances import (
-    LOGIT_BOUND,
     eps,
     forward_terms,
     kl_of_equal_policies,
-    log_softmax_tol,
     module_terms,
     sum_tol,
 )
-from tests.trainers.test_vlm import vlm_overrides
+from tests.trainers.test_vlm import qwen_files, vlm_logprob_tol, vlm_overrides
 
 # Every test in test_ray_fsdp's Ray session, whose workers import the tests' modules (length_score).
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_session")]
@@ -89,17 +86,10 @@ def chain_terms(model_dir) -> int:
     )
 
 
-def logprob_tol(model_dir) -> float:
-    """Two forwards' token log-probs: twice the logit's bound plus the log-softmax's (tests/tolerances.py,
-    with the vision tower in the chain)."""
-    vocab = AutoConfig.from_pretrained(model_dir).text_config.vocab_size
-    return 2 * sum_tol(chain_terms(model_dir), LOGIT_BOUND) + log_softmax_tol(vocab)
-
-
 def test_two_grpo_steps_on_two_workers_match_the_single_process_run(runs, vlm_task):
     local, ray_dir = runs
     terms = chain_terms(vlm_task.model_dir)
-    logprob = logprob_tol(vlm_task.model_dir)
+    logprob = vlm_logprob_tol(vlm_task.model_dir)
     tokens = PROMPTS * N * RESPONSE
     # A logged loss, KL or norm: the gradient's sums (a forward and a backward per token, summed over
     # the step's tokens), terms of both signs, safety 10 (as test_ray_fsdp's loss_rel).
@@ -165,7 +155,7 @@ def test_one_step_off_on_a_rollout_worker_matches_one_process(vlm_task, tmp_path
         train(None, vlm_run(vlm_task, tmp_path / name, *extra), reward_fn=length_score, log=lambda _: None)
     local, ray_run = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("local", "split"))
     assert [m["async/staleness_max"] for m in ray_run] == [0, 1, 1]
-    logprob = logprob_tol(vlm_task.model_dir)
+    logprob = vlm_logprob_tol(vlm_task.model_dir)
     assert ray_run[0]["rollout_corr/max_abs_log_ratio"] <= logprob  # sampled by the weights it trains
     for a, b in zip(local, ray_run, strict=True):
         # The worker samples with a broadcast copy of the weights the single process samples with.
@@ -177,3 +167,29 @@ def test_one_step_off_on_a_rollout_worker_matches_one_process(vlm_task, tmp_path
         # log-prob bound, and their largest difference within twice that.
         ratio = a["rollout_corr/max_abs_log_ratio"]
         assert b["rollout_corr/max_abs_log_ratio"] == pytest.approx(ratio, abs=2 * logprob)
+
+
+def test_a_qwen_vl_policy_on_two_workers_matches_one_process(tmp_path):
+    """Qwen2-VL on 2 workers: FSDP2 shards its language layers and its tower's blocks, the merge runs in
+    the sharded forward with the M-RoPE positions; the same samples, losses and tower as one process."""
+    files = qwen_files(tmp_path, "qwen2_vl")
+    two = ("trainer.placement=ray", "trainer.n_gpus_per_node=2")
+    for name, extra in (("local", ()), ("ray", two)):
+        train(None, vlm_run(files, tmp_path / name, *extra), reward_fn=length_score, log=lambda _: None)
+    a, b = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("local", "ray"))
+    model = load_causal_lm(files.model_dir, meta=True)
+    terms = module_terms(model.model.visual) + forward_terms(model.config.text_config)
+    logprob = vlm_logprob_tol(files.model_dir)
+    rel = sum_tol(2 * terms + PROMPTS * N * RESPONSE, 1.0, safety=10)
+    ra, rb = rollouts(tmp_path / "local"), rollouts(tmp_path / "ray")
+    for step, (ma, mb) in enumerate(zip(a, b, strict=True), start=1):
+        assert len(rb[step]) == PROMPTS * N and rb[step] == ra[step], step
+        for key in COMPARED:
+            assert mb[key] == pytest.approx(ma[key], rel=rel, abs=rel), (step, key)
+        assert mb["rollout_corr/max_abs_log_ratio"] <= logprob, step
+    start = load_file(Path(files.model_dir) / "model.safetensors")
+    after = load_file(tmp_path / "ray" / "global_step_2" / "actor" / "model.safetensors")
+    # Qwen2-VL's checkpoint names: the tower under visual., the language model's layers under model.layers.
+    tower = {name for name in start if name.startswith("visual.")}
+    assert tower and all(start[name].equal(after[name]) for name in tower)
+    assert any(not start[name].equal(after[name]) for name in start if name.startswith("model.layers."))
