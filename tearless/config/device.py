@@ -45,3 +45,16 @@ def describe_device_defaults(device_type: str, changes: dict[str, tuple[Any, Any
     """The one note line listing the applied defaults, ``changes`` = {key: (new, old)}."""
     items = ", ".join(f"{k}={new} (was {old})" for k, (new, old) in changes.items())
     return f"training on {device_type}: its defaults apply: {items}; set a key to keep your own value"
+
+
+def run_device(name: str) -> str:
+    """``trainer.device`` as this process sees it: ``auto`` is ``cuda`` where a GPU is visible.
+
+    Limitation: the device defaults are taken here, on the driver that loads the config, not on the
+    Ray workers: under ``auto`` a CPU head node whose workers have GPUs gets the CPU defaults (set
+    the keys of :data:`tearless.devices.DEVICE_DEFAULTS` yourself there; docs/speed.md)."""
+    if name != "auto":
+        return name
+    import torch  # heavy: only a config that asks for auto needs it, and only here
+
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from tearless.config.device import describe_device_defaults, device_config_defaults
+from tearless.config.device import describe_device_defaults, device_config_defaults, run_device
 from tearless.config.errors import ConfigError
 from tearless.config.identity import default_experiment_name
 from tearless.config.schema import Config, all_keys
@@ -249,19 +249,6 @@ def _apply_user_model_defaults(
     if changes:
         say = notify or (lambda text: print(f"tearless: note: {text}", file=sys.stderr))
         say(describe_applied(MODEL_KEY[schema.__name__], changes))
-
-
-def run_device(name: str) -> str:
-    """``trainer.device`` as this process sees it: ``auto`` is ``cuda`` where a GPU is visible.
-
-    Limitation: the device defaults are taken here, on the driver that loads the config, not on the
-    Ray workers: under ``auto`` a CPU head node whose workers have GPUs gets the CPU defaults (set
-    the keys of :data:`tearless.devices.DEVICE_DEFAULTS` yourself there; docs/speed.md)."""
-    if name != "auto":
-        return name
-    import torch  # heavy: only a config that asks for auto needs it, and only here
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _apply_device_defaults(

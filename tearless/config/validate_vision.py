@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 from tearless.config.derived import critic_enabled, distills, uses_ray
+from tearless.config.device import run_device
 from tearless.config.errors import ConfigError, fail
 from tearless.config.schema import Config
 from tearless.models.vision import check_supported, text_head_dim, vision_model_type
@@ -89,12 +90,7 @@ def _check_vllm_cpu_heads(cfg: Config, path: str | None) -> None:
     """Refuse the vLLM engine on CPU for a vision-language policy whose language model has heads
     vllm-cpu cannot attend with (measured with vllm-cpu 0.32 on the vlm_count model: ``RuntimeError:
     Unsupported CPU attention configuration: head_dim=16`` at the first generated token)."""
-    device = cfg.trainer.device
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device != "cpu":
+    if run_device(cfg.trainer.device) != "cpu":
         return
     head_dim = VLM_COUNT_HEAD_DIM if path is None else text_head_dim(path)
     if head_dim is not None and head_dim not in VLLM_CPU_HEAD_SIZES:
