@@ -99,6 +99,13 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return inner.visual if hasattr(inner, "visual") else inner.vision_model
 
 
+def language_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model of a vision-language model (the :data:`LANGUAGE_MODULES` one under it:
+    Idefics3/SmolVLM's ``model.text_model``, Qwen2-VL's ``model.language_model``)."""
+    inner = base_model(model).model
+    return next(getattr(inner, name) for name in LANGUAGE_MODULES if hasattr(inner, name))
+
+
 def freeze_vision_tower(model: torch.nn.Module) -> int:
     """Stop gradients into the vision tower (veRL's ``freeze_vision_tower``): its parameters'
     ``requires_grad`` off, so the optimizer never holds them. Returns how many parameters were frozen."""

@@ -26,7 +26,7 @@ from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
 from tearless.models.value import load_value_model
-from tearless.models.vision import freeze_vision_tower, vision_model_type, vision_tower
+from tearless.models.vision import freeze_vision_tower, language_model, vision_model_type, vision_tower
 from tearless.models.weights import hf_weights
 from tearless.rewards import load_reward_function, make_reward_manager
 from tearless.rollout.agent import AgentLoop, AgentSettings
@@ -144,18 +144,12 @@ class ModelBuilder:
 
 def fsdp_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules FSDP2 shards as units of ``model`` (before its root): the transformer blocks
-    (:func:`~tearless.distributed.fsdp.decoder_layers`); for a vision-language model, the language
-    model's decoder layers (the longest ``nn.ModuleList`` outside the vision tower) and the vision
-    tower's encoder layers (its longest ``nn.ModuleList``). A frozen tower's units are gathered for its
-    forward and freed after it, and take no part in the backward."""
+    (:func:`~tearless.distributed.fsdp.decoder_layers`); for a vision-language model, its language
+    model's blocks and its vision tower's. A frozen tower's units are gathered for its forward and
+    freed after it, and take no part in the backward."""
     if getattr(model.config, "vision_config", None) is None:
         return decoder_layers(model)
-    tower = vision_tower(model)
-    inside = {id(m) for m in tower.modules()}
-    lists = [
-        m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) and id(m) not in inside
-    ]
-    return list(max(lists, key=len)) + decoder_layers(tower)
+    return decoder_layers(language_model(model)) + decoder_layers(vision_tower(model))
 
 
 def build_rollout(spec: RankSpec, tokenizer: Any, device: torch.device, trained: torch.nn.Module | None):
