@@ -153,19 +153,14 @@ def image_only_processor(model_type: str) -> type:
         parent.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     def __reduce__(self):
-        # pickle rebuilds it through this factory: the class is made here, not importable by its name
-        return _image_only(model_type), (self.image_processor, self.tokenizer, self.chat_template)
+        # pickle rebuilds it through a module function: the class is made here, not importable by its name
+        return _make_image_only, (model_type, self.image_processor, self.tokenizer, self.chat_template)
 
     return type(
         parent.__name__,
         (parent,),
         {"__init__": __init__, "__reduce__": __reduce__, "__module__": parent.__module__},
     )
-
-
-def _image_only(model_type: str) -> Any:
-    """A picklable reference to :func:`image_only_processor`'s class of ``model_type``."""
-    return functools.partial(_make_image_only, model_type)
 
 
 def _make_image_only(model_type: str, image_processor: Any, tokenizer: Any, chat_template: Any) -> Any:
