@@ -39,7 +39,8 @@ def resolve_files(cfg: Config, log: Callable[[str], None]) -> RunFiles:
     if model_path is not None:
         # A Hub ID becomes its cached snapshot here, once, so every rank and engine reads one directory.
         model_path = str(check_model_dir(model_path, "actor_rollout_ref.model.path"))
-        validate_vision(cfg, model_path)  # a Hub ID's model is known to read images only now
+        if model_path != cfg.actor_rollout_ref.model.path:  # a Hub ID: known to read images only now
+            validate_vision(cfg, model_path)
     if model_path is None or train_files is None:
         files = prepare_task(
             TaskSpec.from_config(cfg.task), cfg.task.cache_dir, fresh=cfg.task.fresh, log=log
