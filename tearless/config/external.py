@@ -21,7 +21,7 @@ def external_libs(value: Any) -> list[str]:
     """The module names of ``external_lib``: null = none, a name, or a list of names."""
     if value is None:
         return []
-    names = [value] if isinstance(value, str) else list(value) if isinstance(value, Sequence) else [value]
+    names = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value]
     if not all(isinstance(n, str) and n.strip() for n in names):
         fail(KEY, f"must be a module name or a list of module names, got {value!r}", "e.g. my_pkg.losses")
     return [n.strip() for n in names]

@@ -313,13 +313,14 @@ class PromptDataset:
             images = row_images(row, where, image_key)
             if processor is not None:  # without one, a row with images is refused by _image_prompt_ids
                 first_of_kind.setdefault(images is None, index)
-            if len(first_of_kind) > 1:
-                image_row, text_row = first_of_kind[False], first_of_kind[True]
-                raise DataError(
-                    f"{source}: row {text_row} has no image while row {image_row} has; a file of a "
-                    "vision-language run holds images in every row (mixing text-only rows is not supported "
-                    "yet): give each row its image, or train the text rows in a run of their own"
-                )
+                if len(first_of_kind) > 1:
+                    image_row, text_row = first_of_kind[False], first_of_kind[True]
+                    raise DataError(
+                        f"{source}: row {text_row} has no image while row {image_row} has; a file of a "
+                        "vision-language run holds images in every row (mixing text-only rows is not "
+                        "supported yet): give each row its image, or train the text rows in a run of "
+                        "their own"
+                    )
             if images is not None:
                 text, ids = self._image_prompt_ids(
                     row, images, where, tokenizer, chat_template, template_kwargs
