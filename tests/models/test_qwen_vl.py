@@ -29,8 +29,7 @@ from tearless.models.vision import (
 from tearless.rollout.engine import left_pad
 from tearless.rollout.hf import HFRollout
 from tearless.tasks import vlm_count, vlm_qwen
-from tests.models.test_vision import sample_and_score
-from tests.tolerances import LOGIT_BOUND, forward_terms, log_softmax_tol, module_terms, sum_tol
+from tests.models.test_vision import sample_and_score, tolerance
 
 
 def png(image: Image.Image) -> bytes:
@@ -59,13 +58,6 @@ def policy(request, tmp_path_factory):
     tok = load_tokenizer(path)
     data = PromptDataset(rows(), tok, processor=load_processor(path))
     return path, model, tok, [data[i] for i in range(len(data))]
-
-
-def tolerance(model) -> float:
-    """Two differently batched forwards: the logit is a sum along the vision tower (its merger
-    included) and the language model, its log-prob off by twice that plus the log-softmax's."""
-    terms = forward_terms(model.config.text_config) + module_terms(model.model.visual)
-    return 2 * sum_tol(terms, LOGIT_BOUND) + log_softmax_tol(model.config.text_config.vocab_size)
 
 
 def test_the_model_and_its_processor_load_as_qwen(policy):

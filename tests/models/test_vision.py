@@ -30,14 +30,12 @@ def policy(vlm_task):
 
 
 def tolerance(model) -> float:
-    """Two differently batched forwards: the logit is a sum along the vision tower, the connector and
-    the language model (tests/tolerances.py), its log-prob off by twice that plus the log-softmax's."""
+    """Two differently batched forwards of a vision-language ``model``: the logit is a sum along the
+    vision tower (Idefics3's encoder and connector; Qwen2-VL's ``visual``, its merger included) and the
+    language model (tests/tolerances.py), its log-prob off by twice that plus the log-softmax's."""
     inner = model.model
-    terms = (
-        forward_terms(model.config.text_config)
-        + module_terms(inner.vision_model)
-        + module_terms(inner.connector)
-    )
+    tower = [inner.visual] if hasattr(inner, "visual") else [inner.vision_model, inner.connector]
+    terms = forward_terms(model.config.text_config) + sum(map(module_terms, tower))
     return 2 * sum_tol(terms, LOGIT_BOUND) + log_softmax_tol(model.config.text_config.vocab_size)
 
 

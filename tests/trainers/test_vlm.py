@@ -22,7 +22,7 @@ from tearless.models.hub import add_to_hub_cache
 from tearless.models.loading import load_causal_lm
 from tearless.models.vision import QWEN_PROCESSORS
 from tearless.tasks import vlm_count, vlm_qwen
-from tests.tolerances import LOGIT_BOUND, forward_terms, log_softmax_tol, module_terms, sum_tol
+from tests.models.test_vision import tolerance
 
 TOWER = "model.vision_model."
 ARR = "actor_rollout_ref"
@@ -30,14 +30,8 @@ ARR = "actor_rollout_ref"
 
 def vlm_logprob_tol(model_dir) -> float:
     """Two forwards' token log-probs of the vision-language model in ``model_dir`` (the engine's and the
-    trainer's pass): twice the logit's bound plus the log-softmax's, the logit a chain of the vision
-    tower's (Qwen's ``visual``; Idefics3's encoder and connector) and the language model's dot products
-    (tests/tolerances.py)."""
-    model = load_causal_lm(model_dir, meta=True)
-    inner = model.model
-    tower = [inner.visual] if hasattr(inner, "visual") else [inner.vision_model, inner.connector]
-    terms = sum(map(module_terms, tower)) + forward_terms(model.config.text_config)
-    return 2 * sum_tol(terms, LOGIT_BOUND) + log_softmax_tol(model.config.text_config.vocab_size)
+    trainer's pass): tests/models/test_vision.py's bound."""
+    return tolerance(load_causal_lm(model_dir, meta=True))
 
 
 def vlm_overrides(vlm_task, run_dir, *extra: str) -> list[str]:
