@@ -12,6 +12,9 @@ memory are those of the real weights). For each shape:
   update (median of the timed ones after a warm-up), tokens/s, model FLOPs utilisation and peak memory
   beside the start-up estimate (:mod:`tearless.models.memory`). The micro-batch token budget is the
   largest power of two ≤ 16,384 whose estimate fits 85% of the card.
+- ``update_<shape>_compiled``: the same with ``actor.use_torch_compile=true`` (the decoder layers
+  compiled; the warm-up update holds the compile: ``first_update_extra_s`` is its time beyond a
+  timed update).
 - ``decode_<shape>``: the built-in engine's static decode loop with CUDA graphs, ``sequences`` prompts
   × ``response`` new tokens: tokens/s, its share of the memory-bandwidth limit, and HF ``generate``
   over the same prompts (what TRL samples with when it has no vLLM).
@@ -69,6 +72,9 @@ def qwen2(shape: str, device: str) -> torch.nn.Module:
         return Qwen2ForCausalLM(config)
 
 
+ARR = "actor_rollout_ref"
+
+
 def update_flops(config, prompt: int, response: int, sequences: int) -> float:
     r"""Matmul FLOPs of one update's forward and backward (3× the forward's):
 
@@ -122,8 +128,12 @@ def _batch(vocab: int, prompt: int, response: int, sequences: int, n: int):
     )
 
 
-def update(task, shape: str, device: str, sequences: int, prompt: int, response: int, repeats: int) -> dict:
-    """The ``update_<shape>`` check's numbers (see the module docstring)."""
+def update(
+    task, shape: str, device: str, sequences: int, prompt: int, response: int, repeats: int,
+    compile: bool = False,
+) -> dict:  # fmt: skip
+    """The ``update_<shape>`` check's numbers (see the module docstring); ``compile``: with
+    ``actor.use_torch_compile=true`` (``update_<shape>_compiled``; the warm-up update compiles)."""
     from tearless.config import load_config
     from tearless.config.memory import run_estimate
     from tearless.models.loading import load_tokenizer
@@ -140,6 +150,11 @@ def update(task, shape: str, device: str, sequences: int, prompt: int, response:
         "actor_rollout_ref.actor.use_kl_loss=false", "trainer.keep_freed_memory=false",
         "actor_rollout_ref.actor.optim.lr=1e-6", "reward_model.num_workers=0",
     ]  # fmt: skip
+    if compile:  # packed: the CPU dry run's default pass would carry a KV cache, which runs eager
+        keys += [
+            "actor_rollout_ref.actor.use_torch_compile=true",
+            "actor_rollout_ref.model.use_remove_padding=true",
+        ]
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     budget = 16384 if device == "cuda" else 2 * (prompt + response)
     while True:
@@ -167,6 +182,7 @@ def update(task, shape: str, device: str, sequences: int, prompt: int, response:
     finally:
         workers.close()
     seconds = statistics.median(times[1:])
+    warmup_extra = times[0] - seconds
     flops = update_flops(model.config, prompt, response, sequences)
     peaks = card_peaks(torch.cuda.get_device_name(0)) if device == "cuda" else None
     peak = torch.cuda.max_memory_allocated() / GIB if device == "cuda" else float("nan")
@@ -176,6 +192,7 @@ def update(task, shape: str, device: str, sequences: int, prompt: int, response:
         "tflops_per_s": round(flops / seconds / 1e12, 1),
         "mfu": None if peaks is None else round(flops / seconds / peaks[0], 3),
         "budget_tokens": budget,
+        "first_update_extra_s": round(warmup_extra, 1),
         "peak_gib": round(peak, 2),
         "estimate_gib": round(est.peak / GIB, 2),
         "finite": math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"]),

@@ -264,6 +264,22 @@ class RunPlan:
         actor = compute_dtype(self.param_dtype("actor"), device, role_key("actor"), warn=False)
         return self.hybrid_rollout_dtype(device, warn=False) != actor
 
+    def eager_despite_compile(self, world: int) -> str | None:
+        """The line to print when ``actor.use_torch_compile`` is on but the actor's passes all carry a
+        KV cache, which runs eager (:mod:`tearless.models.compiled`): the shared-prompt padded pass
+        of a single process (``share_prompt_forward`` without ``use_remove_padding`` or activation
+        checkpointing, which takes the plain pass for the update); else None."""
+        m = self.sections.model
+        cached = m.share_prompt_forward and not (m.use_remove_padding or m.enable_gradient_checkpointing)
+        if not (self.sections.actor.use_torch_compile and cached and world == 1):
+            return None
+        return (
+            "actor_rollout_ref.actor.use_torch_compile=true compiles nothing in this run: the shared-prompt "
+            "pass (model.share_prompt_forward=true, model.use_remove_padding=false) forwards through a KV "
+            "cache, which runs eager; set actor_rollout_ref.model.use_remove_padding=true to compile the "
+            "update and the log-prob passes"
+        )
+
 
 def adapter_path(cfg: Config) -> str | None:
     """The LoRA adapter a LoRA actor starts from, for :attr:`RunFiles.lora_adapter_path`: the driver's

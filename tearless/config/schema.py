@@ -237,6 +237,14 @@ class ActorConfig:
         "recompute the softmax of a differentiated entropy (entropy_coeff != 0) in the backward instead "
         "of keeping it (veRL key): the chunked function even when one chunk holds the logits",
     )
+    use_torch_compile: bool = doc(
+        False,
+        "torch.compile the decoder layers for the update and the log-prob passes (veRL key; veRL's "
+        "default is true): fuses the float32 work between the matmuls; calls with a KV cache (the "
+        "shared-prompt pass) and decoding stay eager. The first pass of each kind compiles (tens of "
+        "seconds); off by default because on a CPU that never pays back in a short run "
+        "(BENCHMARKS.md, 'torch.compile')",
+    )
     freeze_vision_tower: bool = doc(
         True,
         "a vision-language policy's image encoder takes no gradient and no optimizer state (veRL key; "
@@ -377,6 +385,9 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = doc(
         None, "rows per reference forward; null = all at once"
     )
+    use_torch_compile: bool | None = doc(
+        None, "torch.compile the reference's decoder layers (veRL key); null = actor.use_torch_compile"
+    )
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -396,6 +407,9 @@ class TeacherConfig:
     model: TeacherModelConfig = field(default_factory=TeacherModelConfig)
     log_prob_micro_batch_size_per_gpu: int | None = doc(
         None, "rows per teacher forward; null = all at once (as actor_rollout_ref.ref's)"
+    )
+    use_torch_compile: bool | None = doc(
+        None, "torch.compile the teacher's decoder layers; null = actor.use_torch_compile"
     )
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

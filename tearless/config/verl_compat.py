@@ -47,7 +47,7 @@ ARR = "actor_rollout_ref"
 _ENGINE = "tuning of veRL's vLLM/SGLang server; tearless's rollout engines size themselves"
 _PROFILER = "veRL's Nsight/NPU/torch profiler hooks; tearless logs timing_s/* metrics every step"
 _TARGET = "the Hydra class veRL instantiates for the section; tearless's schema is fixed"
-_COMPILE = "torch.compile of veRL's workers; tearless runs eager"
+_COMPILE = "veRL's torch.compile switch of this worker; tearless's is actor.use_torch_compile"
 _SP = "Ulysses sequence parallelism is not implemented"
 _SP_INSTEAD = "leave it at 1; shorten sequences or use data-parallel workers (trainer.n_gpus_per_node)"
 
@@ -163,7 +163,7 @@ def _worker_rules(prefix: str) -> list[Rule]:
             accept=("fsdp", "fsdp2"),
             instead="no Megatron backend: use strategy=fsdp",
         ),
-        Rule(f"{prefix}.use_torch_compile", _COMPILE),
+        *([Rule(f"{prefix}.use_torch_compile", _COMPILE)] if prefix == "critic" else []),
         Rule(f"{prefix}.ulysses_sequence_parallel_size", _SP, accept=(1,), instead=_SP_INSTEAD),
         *([] if prefix == f"{ARR}.actor" else _entropy_rules(prefix, prefix)),
         Rule(f"{prefix}.data_loader_seed", "the data order is seeded by data.seed / trainer.seed"),

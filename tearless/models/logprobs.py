@@ -41,6 +41,7 @@ from tearless.algos import entropy_from_logits, logprobs_from_logits
 from tearless.devices import bucket_overhead_tokens, device_defaults
 from tearless.models.chunked import chunk_tokens, chunked_logits_logprobs, chunked_logprobs
 from tearless.models.compat import activation_checkpointing, cache_kwargs
+from tearless.models.compiled import compiled_for
 from tearless.models.loading import compute_device
 from tearless.models.mrope import prompt_rope, sequence_positions
 from tearless.models.packing import pack_rows, packable, packed_forward
@@ -107,9 +108,10 @@ def response_logprobs(
 
     A model marked for bf16 compute (:func:`tearless.models.precision.set_compute_dtype`, CPU) runs
     its forwards under autocast; its logits are upcast to float32 before the log-softmax, so both
-    outputs are float32 in every precision.
+    outputs are float32 in every precision. A model whose layers were compiled
+    (:func:`tearless.models.compiled.compile_layers`, ``use_torch_compile``) runs them compiled here.
     """
-    with autocast_for(model):
+    with autocast_for(model), compiled_for(model):
         return _response_logprobs(
             model,
             prompt_ids,

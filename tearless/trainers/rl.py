@@ -138,6 +138,8 @@ class RLTrainer:
         )
         self.workers = make_workers(spec, self.tokenizer.pad_token_id, run_dir=self.run_dir)
         announce_autocast(self.plan, self.workers.device, self.log)
+        if (note := self.plan.eager_despite_compile(self.workers.world_of("actor"))) is not None:
+            self.log(note)
         # The hybrid built-in engine sampling in another precision than the trainer's π_old forward:
         # π_old is recomputed so rollout_corr/* shows the mismatch.
         self.precision_mismatch = self.plan.precision_mismatch(self.workers.device)

@@ -22,6 +22,7 @@ import torch
 from tearless.config.plan import role_key
 from tearless.distributed.fsdp import decoder_layers, shard_from_rank0
 from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
+from tearless.models.compiled import compile_layers
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
@@ -57,7 +58,23 @@ class ModelBuilder:
             dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
             if dtype != torch.float32:
                 set_compute_dtype(model, dtype)
+        if self.compiles(role):
+            vision = getattr(model.config, "vision_config", None) is not None
+            compile_layers(model, language_model(model) if vision else None)
         return model
+
+    def compiles(self, role: str) -> bool:
+        """Whether ``role``'s decoder layers run compiled in its passes (``use_torch_compile``: the
+        actor's; the reference's and the teacher's own, unset = the actor's; never the critic's)."""
+        sections = self.spec.sections
+        actor = sections.actor.use_torch_compile
+        own = {
+            "actor": actor,
+            "ref": sections.ref.use_torch_compile,
+            "teacher": sections.teacher.use_torch_compile,
+        }
+        value = own.get(role, False)
+        return actor if value is None else value
 
     def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         if self.mesh is None:

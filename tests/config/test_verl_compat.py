@@ -62,8 +62,9 @@ def test_ppo_trainer_defaults_of_veRL_only_keys_load_with_notices_and_aliases():
     cfg = load_config(None, [*extra, "actor_rollout_ref.actor.optim.clip_grad=0.5"], notify=notes.append)
     # lora_adapter_path (issue 32), enforce_eager (31), model.external_lib (34) and the actor's
     # calculate_entropy, entropy_from_logits_with_chunking, entropy_checkpointing (41), the actor's
-    # freeze_vision_tower and data.image_key (46) are tearless keys
-    assert len(extra) == 396
+    # freeze_vision_tower and data.image_key (46), the actor's and reference's use_torch_compile (41)
+    # are tearless keys
+    assert len(extra) == 394
     # Aliases move the value (clip_grad → grad_clip, fsdp_config.dtype → param_dtype) without a note;
     # every other key gets exactly one note.
     aliased = [x for x in extra if rule_for(x.split("=", 1)[0]).alias is not None]

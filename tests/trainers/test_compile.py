@@ -1,0 +1,93 @@
+"""``actor.use_torch_compile=true`` end to end: a packed PPO run with a KL loss to the reference and
+two mini-batches × two epochs per step (so the actor's old log-probs, the reference's log-probs and the
+update all run compiled) lands on the eager run's rollouts, losses and weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tearless import train
+from tests.distributed.test_ray_fsdp import PPO, assert_same_steps, common
+
+ARR = "actor_rollout_ref"
+RUN = (*PPO, "actor_rollout_ref.model.use_remove_padding=true", "trainer.total_training_steps=2")
+
+
+def test_a_compiled_run_matches_the_eager_run(overrides, tmp_path, task):
+    eager = tmp_path / "eager"
+    train(None, common(overrides, eager, *RUN), log=lambda _: None)
+    compiled_dir = tmp_path / "compiled"
+    calls: list[str] = []
+    real = torch.compile
+
+    def spy(fn, **kw):
+        inner = real(fn, **kw)
+
+        def counted(*args, **kwargs):
+            calls.append("grad" if torch.is_grad_enabled() else "no_grad")
+            return inner(*args, **kwargs)
+
+        return counted
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "compile", spy)
+        train(
+            None,
+            common(overrides, compiled_dir, *RUN, "actor_rollout_ref.actor.use_torch_compile=true"),
+            log=lambda _: None,
+        )
+    # The layers ran compiled in the update (with gradient) and in the log-prob passes (without).
+    assert "grad" in calls and "no_grad" in calls
+    assert_same_steps(eager, compiled_dir, (1, 2), task.model_dir, optimizer_steps_per_step=4)
+
+
+@pytest.mark.parametrize(
+    ("keys", "world", "told"),
+    [
+        ((), 1, True),  # the CPU default: the shared-prompt pass, every call through a KV cache
+        (("actor_rollout_ref.model.use_remove_padding=true",), 1, False),
+        (("actor_rollout_ref.model.share_prompt_forward=false",), 1, False),
+        (("actor_rollout_ref.model.enable_gradient_checkpointing=true",), 1, False),  # the update is plain
+        ((), 2, False),  # sharded ranks take the plain pass
+    ],
+)
+def test_a_run_whose_passes_all_run_eager_is_told_so_at_start(keys, world, told):
+    from tearless.config import load_config
+    from tearless.config.plan import build_plan
+
+    on = build_plan(
+        load_config(None, ["actor_rollout_ref.actor.use_torch_compile=true", *keys], device="cpu")
+    )
+    note = on.eager_despite_compile(world)
+    assert (note is not None) == told
+    if told:
+        assert "actor_rollout_ref.model.use_remove_padding=true" in note
+    off = build_plan(load_config(None, list(keys), device="cpu"))
+    assert off.eager_despite_compile(world) is None
+
+
+@pytest.mark.parametrize(
+    ("keys", "compiled"),
+    [
+        ((), set()),
+        (("actor_rollout_ref.actor.use_torch_compile=true",), {"actor", "ref", "teacher"}),
+        (
+            (
+                "actor_rollout_ref.actor.use_torch_compile=true",
+                "actor_rollout_ref.ref.use_torch_compile=false",
+            ),
+            {"actor", "teacher"},
+        ),
+        (("actor_rollout_ref.teacher.use_torch_compile=true",), {"teacher"}),
+    ],
+)
+def test_each_role_compiles_by_its_own_key_or_the_actors(keys, compiled):
+    from tearless.config import load_config
+    from tearless.workers.build import ModelBuilder
+    from tearless.workers.spec import RankSpec
+
+    spec = RankSpec(load_config(None, list(keys)), ("actor",), False, "unused", 1, "cpu")
+    builder = ModelBuilder(spec, 0, 1, None, torch.device("cpu"))
+    # The critic's value model never compiles (its passes are not the log-prob pass).
+    assert {r for r in ("actor", "ref", "teacher", "critic") if builder.compiles(r)} == compiled
