@@ -34,10 +34,11 @@ On a CPU (``--dry-run``, or no GPU) the same code runs with gloo in NCCL's place
 small sizes, so the script cannot rot between the rare sessions that have a GPU.
 
 ``--tier real`` runs instead, for each of ``--shapes`` (Qwen2.5-0.5B and 1.5B by default), the
-``update_<shape>``, ``decode_<shape>`` and ``update_<shape>_compiled`` checks of :mod:`gpu_scale`
-(``--sequences`` rows of a ``--prompt``-token prompt and a ``--response``-token response): s/update,
-tokens/s, MFU, peak memory beside the start-up estimate (eager and with the decoder layers
-compiled); decode tokens/s, its share of the HBM-bandwidth limit and HF generate's.
+``update_<shape>``, ``decode_<shape>``, ``update_<shape>_compiled`` and ``update_<shape>_copies``
+checks of :mod:`gpu_scale` (``--sequences`` rows of a ``--prompt``-token prompt and a
+``--response``-token response): s/update, tokens/s, MFU, peak memory beside the start-up estimate
+(autocast, with the decoder layers compiled, and from bf16 compute copies); decode tokens/s, its
+share of the HBM-bandwidth limit and HF generate's.
 Its dry run uses a tiny shape.
 """
 
@@ -438,7 +439,7 @@ def grpo_default_bf16(task, work: Path, device: str, steps: int) -> dict:
 # ---------------------------------------------------------------------------------------- real scale
 def real_scale_checks(task, device: str, args) -> dict[str, Callable[[], None]]:
     """The real-scale tier's checks (benchmarks/gpu_scale.py): per shape one update, one decode and
-    one update with the decoder layers compiled."""
+    one update per variant (``gpu_scale.VARIANTS``: compiled layers, compute copies)."""
     import gpu_scale  # beside this script: python puts its directory first on sys.path
 
     shapes = ["dry"] if device == "cpu" else args.shapes.split(",")
@@ -456,13 +457,17 @@ def real_scale_checks(task, device: str, args) -> dict[str, Callable[[], None]]:
             numbers = gpu_scale.decode(shape, device, rows, prompt, response)
             return {**numbers, "ok": numbers["tok_s"] > 0 and numbers["hf_generate_tok_s"] > 0}
 
-        @check(f"update_{shape}_compiled")
-        def update_compiled(shape=shape) -> dict:
-            numbers = gpu_scale.update(task, shape, device, rows, prompt, response, repeats=2, compile=True)
-            return {**numbers, "ok": numbers["finite"]}
-
         checks[f"update_{shape}"], checks[f"decode_{shape}"] = update, decode
-        checks[f"update_{shape}_compiled"] = update_compiled
+        for variant in gpu_scale.VARIANTS:
+            if not variant:
+                continue
+
+            @check(f"update_{shape}{variant}")
+            def update_variant(shape=shape, variant=variant) -> dict:
+                numbers = gpu_scale.update(task, shape, device, rows, prompt, response, 2, variant)
+                return {**numbers, "ok": numbers["finite"]}
+
+            checks[f"update_{shape}{variant}"] = update_variant
     return checks
 
 

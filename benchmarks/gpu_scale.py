@@ -14,7 +14,8 @@ memory are those of the real weights). For each shape:
   largest power of two ≤ 16,384 whose estimate fits 85% of the card.
 - ``update_<shape>_compiled``: the same with ``actor.use_torch_compile=true`` (the decoder layers
   compiled; the warm-up update holds the compile: ``first_update_extra_s`` is its time beyond a
-  timed update).
+  timed update); ``update_<shape>_copies``: with ``fsdp_config.compute_copies=true`` (bf16 copies of
+  the float32 masters, cast once per optimizer step, instead of autocast's casts at every forward).
 - ``decode_<shape>``: the built-in engine's static decode loop with CUDA graphs, ``sequences`` prompts
   × ``response`` new tokens: tokens/s, its share of the memory-bandwidth limit, and HF ``generate``
   over the same prompts (what TRL samples with when it has no vLLM).
@@ -128,12 +129,21 @@ def _batch(vocab: int, prompt: int, response: int, sequences: int, n: int):
     )
 
 
+# The update's variants beside the device defaults (``update_<shape><suffix>``): the decoder layers
+# compiled (packed: the CPU dry run's default pass would carry a KV cache, which runs eager), and bf16
+# compute copies of the float32 masters instead of autocast.
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "": (),
+    "_compiled": (f"{ARR}.actor.use_torch_compile=true", f"{ARR}.model.use_remove_padding=true"),
+    "_copies": (f"{ARR}.actor.fsdp_config.compute_copies=true",),
+}
+
+
 def update(
     task, shape: str, device: str, sequences: int, prompt: int, response: int, repeats: int,
-    compile: bool = False,
+    variant: str = "",
 ) -> dict:  # fmt: skip
-    """The ``update_<shape>`` check's numbers (see the module docstring); ``compile``: with
-    ``actor.use_torch_compile=true`` (``update_<shape>_compiled``; the warm-up update compiles)."""
+    """The ``update_<shape><variant>`` check's numbers (see the module docstring; :data:`VARIANTS`)."""
     from tearless.config import load_config
     from tearless.config.memory import run_estimate
     from tearless.models.loading import load_tokenizer
@@ -150,11 +160,7 @@ def update(
         "actor_rollout_ref.actor.use_kl_loss=false", "trainer.keep_freed_memory=false",
         "actor_rollout_ref.actor.optim.lr=1e-6", "reward_model.num_workers=0",
     ]  # fmt: skip
-    if compile:  # packed: the CPU dry run's default pass would carry a KV cache, which runs eager
-        keys += [
-            "actor_rollout_ref.actor.use_torch_compile=true",
-            "actor_rollout_ref.model.use_remove_padding=true",
-        ]
+    keys += VARIANTS[variant]
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     budget = 16384 if device == "cuda" else 2 * (prompt + response)
     while True:

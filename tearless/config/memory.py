@@ -48,6 +48,9 @@ def run_estimate(
     chunking = actor.entropy_from_logits_with_chunking
     auto = device_defaults(device).chunk_logits and micro_tokens > chunk
     fused = arr.model.use_fused_kernels and arr.model.use_remove_padding
+    held = world == 1 and compute == 2  # compute copies: unsharded models in a 16-bit dtype only
+    copy_bytes = 2 if held and plan.sections.compute_copies("actor") else 0
+    frozen_bytes = 2 if held and plan.sections.compute_copies("ref") else 4
     return estimate(
         shape,
         world=world,
@@ -63,6 +66,8 @@ def run_estimate(
         reference="ref" in plan.roles,
         teacher=None if teacher_config is None else ModelShape.from_config(teacher_config),
         teacher_offload=arr.teacher.fsdp_config.param_offload,
+        copy_bytes=copy_bytes,
+        frozen_bytes=frozen_bytes,
     )
 
 

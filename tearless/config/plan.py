@@ -193,6 +193,26 @@ class Sections:
         dtype is :meth:`RunPlan.param_dtype`'s)."""
         return self.critic.model.fsdp_config if role == "critic" else getattr(self, role).fsdp_config
 
+    def compute_copies(self, role: str) -> bool:
+        """Whether ``role``'s model holds its weights in its reduced compute dtype
+        (``fsdp_config.compute_copies``: the actor's, the reference's and the teacher's own, unset =
+        the actor's for those two; never the critic's)."""
+        return self._own_or_actors(
+            role, self.fsdp(role).compute_copies, self.actor.fsdp_config.compute_copies
+        )
+
+    def compiles(self, role: str) -> bool:
+        """Whether ``role``'s decoder layers run compiled in its passes (``use_torch_compile``: the
+        actor's; the reference's and the teacher's own, unset = the actor's; never the critic's)."""
+        own = {"actor": self.actor, "ref": self.ref, "teacher": self.teacher}.get(role)
+        return self._own_or_actors(role, own and own.use_torch_compile, self.actor.use_torch_compile)
+
+    @staticmethod
+    def _own_or_actors(role: str, own: bool | None, actors: bool | None) -> bool:
+        if role == "critic":
+            return False
+        return bool(actors if own is None else own)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:

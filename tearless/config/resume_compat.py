@@ -57,7 +57,7 @@ _BOOKKEEPING_SUFFIXES = (
     "enable_gradient_checkpointing", "share_prompt_forward", "use_remove_padding", "use_fused_kernels",
     "lora_save_merged", "param_offload", "calculate_entropy", "entropy_from_logits_with_chunking",
     "entropy_checkpointing",
-    "optimizer_offload", "reshard_after_forward", "param_dtype",
+    "optimizer_offload", "reshard_after_forward", "param_dtype", "compute_copies", "use_torch_compile",
 )  # fmt: skip
 _BOOKKEEPING_PREFIXES = ("actor_rollout_ref.rollout.val_kwargs.", "ray_init.")
 _OPTIMIZER_FIELDS = ("lr", "weight_decay", "betas")

@@ -172,6 +172,17 @@ class FSDPConfig:
     reshard_after_forward: bool = doc(
         True, "free each block's gathered parameters after its forward (less memory, one more all-gather)"
     )
+    compute_copies: bool | None = doc(
+        None,
+        "a model of one process (CPU, or one GPU) computing in a reduced param_dtype holds its weights in "
+        "that dtype instead of autocast casting each float32 weight at every forward: a trained role "
+        "computes from bf16 copies cast once per optimizer step (float32 master weights, gradients, "
+        "optimizer state and checkpoints; +2 bytes per parameter), a frozen role (reference, teacher) "
+        "holds its parameters in bf16 (-2 bytes per parameter); the whole forward then runs in bf16 "
+        "(the residual stream too, as FSDP2 mixed precision); logits and losses stay float32. null = "
+        "false for the actor, the actor's setting for the reference and the teacher. Sharded models use "
+        "FSDP2's mixed precision (GPU) or autocast (CPU) either way",
+    )
 
 
 @dataclass

@@ -176,18 +176,24 @@ def estimate(
     reference: bool = False,
     teacher: ModelShape | None = None,
     teacher_offload: bool = False,
+    copy_bytes: int = 0,
+    frozen_bytes: int = 4,
 ) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of one rank: parameters, gradients and optimizer state divided by
     ``world`` (FSDP2's full sharding); ``micro_tokens`` tokens in one micro-batch's forward and
     backward; ``rollout_tokens`` tokens of the sequences the rank generates at once, cached in
     ``rollout_bytes`` per element (default ``compute_bytes``); a frozen ``reference`` copy when the
     reference is a separate model (not LoRA's adapters-off actor); a frozen ``teacher`` of its own
-    shape (on-policy distillation; none on the GPU when ``teacher_offload``)."""
+    shape (on-policy distillation; none on the GPU when ``teacher_offload``). ``copy_bytes``: the
+    bytes per parameter of the actor's compute copies beside its float32 masters (2 with
+    ``compute_copies`` in bf16, else 0); ``frozen_bytes``: those of the reference's and teacher's
+    parameters (2 when they are held in bf16)."""
     n = shape.parameters
     trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
     params = 0 if param_offload else 4 * n // world
+    frozen = frozen_bytes * n // world
     return MemoryEstimate(
-        parameters=params,
+        parameters=params + (0 if param_offload else copy_bytes * n // world),
         gradients=0 if param_offload else 4 * trained // world,
         optimizer=0 if optimizer_offload else 8 * trained // world,
         activation_per_token=activation_bytes_per_token(
@@ -196,6 +202,6 @@ def estimate(
         micro_tokens=micro_tokens,
         kv_per_token=2 * shape.layers * shape.kv_width * (rollout_bytes or compute_bytes),
         rollout_tokens=rollout_tokens,
-        reference=params if reference and lora_rank == 0 else 0,
-        teacher=0 if teacher is None or teacher_offload else 4 * teacher.parameters // world,
+        reference=0 if param_offload or not reference or lora_rank else frozen,
+        teacher=0 if teacher is None or teacher_offload else frozen_bytes * teacher.parameters // world,
     )

@@ -16,6 +16,10 @@ accumulated in float32 inside the kernel); everything else stays float32:
   :mod:`tearless.models.logprobs`; the chunked path computes each chunk's z = h Wᵀ in bf16 and the rest
   in float32), and the losses are computed from those float32 log-probs outside autocast.
 
+A model of one process can instead hold its weights in bf16 (``fsdp_config.compute_copies``,
+:mod:`tearless.models.copies`): bf16 copies of the float32 masters cast once per optimizer step, no
+autocast.
+
 The hardware matters: CPUs with AVX-512 BF16 (``avx512_bf16``) or AMX (``amx_bf16``) multiply bf16
 natively (on this project's 2-core EPYC, a 1024² matmul at 208 GFLOP/s against 84 in fp32); without
 them oneDNN converts element by element and bf16 has measured ~100× slower than fp32

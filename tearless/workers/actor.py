@@ -25,6 +25,7 @@ from tearless.algos import agg_loss, kl_penalty, masked_mean, policy_loss
 from tearless.algos.losses import LINEAR_IN_ADVANTAGE
 from tearless.config.derived import policy_loss_knobs
 from tearless.config.schema import ActorConfig
+from tearless.models.copies import refresh_after
 from tearless.models.logprobs import response_logprobs
 from tearless.models.vision import pixel_kwargs
 from tearless.workers.optim import make_optimizer
@@ -119,6 +120,7 @@ class Actor(LogProbWorker):
         self.settings = settings  # its update schedule, built once from the resolved config
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, section.optim, total_steps)
+        refresh_after(self.optimizer, model)  # compute copies, where the model has them
         self.skipped_steps = 0
 
     def micro_loss(self, mb: TensorDict, norm: dict, flags: UpdateFlags) -> tuple[torch.Tensor, dict]:

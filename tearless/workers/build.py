@@ -23,6 +23,7 @@ from tearless.config.plan import role_key
 from tearless.distributed.fsdp import decoder_layers, shard_from_rank0
 from tearless.envs import EnvLoop, ProgramLoop, env_factory, load_agent
 from tearless.models.compiled import compile_layers
+from tearless.models.copies import attach, hold_in
 from tearless.models.loading import load_causal_lm, resolve_dtype
 from tearless.models.lora import add_lora, is_lora, load_lora
 from tearless.models.precision import compute_dtype, set_compute_dtype
@@ -49,32 +50,32 @@ class ModelBuilder:
 
     def shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         """``build(real)`` as this rank's model: loaded as is without a mesh, else sharded from rank 0;
-        marked to compute in ``role``'s ``param_dtype`` under autocast when that is a reduced dtype, on
-        CPU and on one GPU (sharded GPU models compute in it through FSDP2's mixed precision). A
-        model the spec holds for ``role`` (:attr:`RankSpec.models`) replaces ``build``'s."""
+        set to compute in ``role``'s ``param_dtype`` (:meth:`reduce`), and its layers compiled where
+        ``use_torch_compile`` says. A model the spec holds for ``role`` (:attr:`RankSpec.models`)
+        replaces ``build``'s."""
         given = self.spec.models.get(role)
         model = self._shard(build if given is None else (lambda real: given), role)
         if self.device.type == "cpu" or self.mesh is None:
-            dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
-            if dtype != torch.float32:
-                set_compute_dtype(model, dtype)
-        if self.compiles(role):
+            self.reduce(model, role)
+        if self.spec.sections.compiles(role):
             vision = getattr(model.config, "vision_config", None) is not None
             compile_layers(model, language_model(model) if vision else None)
         return model
 
-    def compiles(self, role: str) -> bool:
-        """Whether ``role``'s decoder layers run compiled in its passes (``use_torch_compile``: the
-        actor's; the reference's and the teacher's own, unset = the actor's; never the critic's)."""
-        sections = self.spec.sections
-        actor = sections.actor.use_torch_compile
-        own = {
-            "actor": actor,
-            "ref": sections.ref.use_torch_compile,
-            "teacher": sections.teacher.use_torch_compile,
-        }
-        value = own.get(role, False)
-        return actor if value is None else value
+    def reduce(self, model: torch.nn.Module, role: str) -> None:
+        """A model on CPU or on one GPU computing in a reduced ``param_dtype``: from compute copies
+        (``fsdp_config.compute_copies``, unsharded only: bf16 copies of a trained model's float32
+        masters, or a frozen model's parameters held in bf16; :mod:`tearless.models.copies`), else
+        marked for autocast. Sharded GPU models compute in it through FSDP2's mixed precision."""
+        dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
+        if dtype == torch.float32:
+            return
+        if self.mesh is not None or not self.spec.sections.compute_copies(role):
+            set_compute_dtype(model, dtype)
+        elif any(p.requires_grad for p in model.parameters()):
+            attach(model, dtype)
+        else:
+            hold_in(model, dtype)
 
     def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:
         if self.mesh is None:

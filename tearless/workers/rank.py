@@ -23,6 +23,7 @@ weights; on GPU, forward and backward run in ``fsdp_config.param_dtype`` (bf16 b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -46,6 +47,7 @@ from tearless.distributed.fsdp import (
     process_group_backend,
 )
 from tearless.distributed.weight_sync import WeightBroadcast
+from tearless.models.copies import copies_for
 from tearless.models.loading import load_causal_lm, load_tokenizer, resolve_dtype
 from tearless.models.logprobs import response_logprobs
 from tearless.models.precision import configure_cuda, forward_only, set_compute_dtype
@@ -238,14 +240,17 @@ class Rank:
             )
 
     # ------------------------------------------------------------------ rollout
-    def _rollout_weights(self):
+    @contextlib.contextmanager
+    def _rollout_weights(self) -> Iterator[None]:
         """The context generation runs in: the hybrid engine's trained weights gathered from their
-        shards (nothing to do for a plain model or a separate engine)."""
-        from contextlib import nullcontext
-
+        shards, or its compute copies in place (nothing to do for a plain model or a separate
+        engine)."""
         if self.engine.capabilities.holds_own_weights or "actor" not in self.roles:
-            return nullcontext()
-        return gathered(self.roles["actor"].model, self.models.fsdp("actor").reshard_after_forward)
+            yield
+            return
+        model = self.roles["actor"].model
+        with gathered(model, self.models.fsdp("actor").reshard_after_forward), copies_for(model):
+            yield
 
     def generate_share(
         self,
@@ -340,7 +345,7 @@ class Rank:
         worker.model.eval()
         outs, ents = [], []
         try:
-            with self._forward_mode(worker.model), worker.forward_context():
+            with self._forward_mode(worker.model), copies_for(worker.model), worker.forward_context():
                 for mb in pad_micro_batches(chunks, num_micro):
                     lp, ent = worker.forward(mb, with_entropy=with_entropy)
                     outs.append(lp.cpu())
@@ -377,7 +382,8 @@ class Rank:
         offload = self._optimizer_offloaded(role)
         if offload:
             move_optimizer_state(unit.optimizer, self.device)
-        additive, shared = run_plan(unit, td, steps, flags, world=self.world)
+        with copies_for(unit.model):  # bf16 copies of the float32 masters, when the role has them
+            additive, shared = run_plan(unit, td, steps, flags, world=self.world)
         if offload:
             move_optimizer_state(unit.optimizer, "cpu")
         if role == "actor" and self.separate_engine:

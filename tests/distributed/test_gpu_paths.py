@@ -173,9 +173,13 @@ def test_the_gpu_checks_real_scale_tier_dry_run_passes_on_cpu(tmp_path):
         [sys.executable, str(script), "--dry-run", "--tier", "real", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=900, env=env,
     )  # fmt: skip
-    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 3 passed, 0 failed", out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 4 passed, 0 failed", out.stdout + out.stderr
     results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
-    assert results["update_dry_compiled"]["finite"] and results["update_dry_compiled"]["tokens_per_s"] > 0
+    for variant in ("compiled", "copies"):
+        assert (
+            results[f"update_dry_{variant}"]["finite"]
+            and results[f"update_dry_{variant}"]["tokens_per_s"] > 0
+        )
     assert results["update_dry"]["finite"] and results["update_dry"]["tokens_per_s"] > 0
     assert results["update_dry"]["mfu"] is None  # no card: no peak to divide by
     assert results["decode_dry"]["tok_s"] > 0 and results["decode_dry"]["share_of_limit"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from transformers import Qwen2Config
 
 from tearless.config import ConfigError, load_config
 from tearless.config.memory import announce_memory, check_memory, run_estimate
@@ -92,6 +93,29 @@ def test_from_a_transformers_config_and_a_run_config():
     # On CPU an unset entropy_from_logits_with_chunking does not chunk: the float32 copy (4V) is counted.
     cpu = run_estimate(cfg, config, "cpu")
     assert cpu.activation_per_token == activation_bytes_per_token(QWEN_05B, compute_bytes=4, chunked=False)
+
+
+def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
+    # fsdp_config.compute_copies=true, KL loss (a separate reference), one GPU, bf16: the actor holds
+    # its float32 masters (4N) and bf16 copies (2N); the reference its parameters in bf16 (2N, not 4N).
+    n = QWEN_05B.parameters
+    keys = [
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.fsdp_config.compute_copies=true",
+    ]
+    config = Qwen2Config(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    )  # fmt: skip
+    on = run_estimate(load_config(None, keys, device="cuda", notify=lambda _: None), config, "cuda")
+    off = run_estimate(load_config(None, keys[:1], device="cuda", notify=lambda _: None), config, "cuda")
+    assert (off.parameters, off.reference) == (4 * n, 4 * n)
+    assert (on.parameters, on.reference) == (6 * n, 2 * n)
+    assert on.state == off.state  # +2N for the copies, -2N for the reference
+    # Sharded models use FSDP2's mixed precision: no copies, a float32 reference shard.
+    two = [*keys, "trainer.placement=ray", "trainer.n_gpus_per_node=2"]
+    sharded = run_estimate(load_config(None, two, device="cuda", notify=lambda _: None), config, "cuda")
+    assert (sharded.parameters, sharded.reference) == (4 * n // 2, 4 * n // 2)
 
 
 def test_only_a_state_that_cannot_fit_is_refused_and_an_activation_bound_over_the_card_warns():

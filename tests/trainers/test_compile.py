@@ -84,10 +84,8 @@ def test_a_run_whose_passes_all_run_eager_is_told_so_at_start(keys, world, told)
 )
 def test_each_role_compiles_by_its_own_key_or_the_actors(keys, compiled):
     from tearless.config import load_config
-    from tearless.workers.build import ModelBuilder
-    from tearless.workers.spec import RankSpec
+    from tearless.config.plan import build_plan
 
-    spec = RankSpec(load_config(None, list(keys)), ("actor",), False, "unused", 1, "cpu")
-    builder = ModelBuilder(spec, 0, 1, None, torch.device("cpu"))
+    sections = build_plan(load_config(None, list(keys))).sections
     # The critic's value model never compiles (its passes are not the log-prob pass).
-    assert {r for r in ("actor", "ref", "teacher", "critic") if builder.compiles(r)} == compiled
+    assert {r for r in ("actor", "ref", "teacher", "critic") if sections.compiles(r)} == compiled
