@@ -298,14 +298,17 @@ def test_ppo_on_two_then_three_workers_then_one_process_matches_the_single_proce
     assert len({r["actor/lr"] for r in read_metrics(ppo_local / "metrics.jsonl")}) == 4
 
 
-def test_packed_ppo_on_two_workers_matches_the_padded_single_process_run(
+def test_packed_compiled_ppo_on_two_workers_matches_the_padded_single_process_run(
     ray_session, ppo_local, overrides, tmp_path_factory, task
 ):
-    # use_remove_padding under FSDP2: each rank packs its micro-batches (actor, reference, critic).
+    # use_remove_padding under FSDP2: each rank packs its micro-batches (actor, reference, critic),
+    # and the actor's and reference's decoder layers run compiled (use_torch_compile) between FSDP2's
+    # gathers.
     run_dir = tmp_path_factory.mktemp("ppo-packed")
     packed = (
         "actor_rollout_ref.model.use_remove_padding=true",
         "critic.model.use_remove_padding=true",
+        "actor_rollout_ref.actor.use_torch_compile=true",
         "trainer.worker_timeout_s=600",  # a fresh Ray pool on a loaded 2-core machine starts slowly
     )
     train(None, common(overrides, run_dir, *PPO, *packed, *workers(2)), log=lambda _: None)
