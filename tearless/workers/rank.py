@@ -435,13 +435,22 @@ class Rank:
         was_training = model.training
         # The probe checks the weights the engine holds, so the trainer's side computes in the engine's
         # dtype: a model marked to compute in bf16 under autocast (param_dtype=auto on a CPU with native
-        # bf16) against a float32 engine differed by 0.145 on SmolLM2 and stopped every such run.
+        # bf16) against a float32 engine differed by 0.145 on SmolLM2 and stopped every such run. A
+        # model with compute copies probes from them when the engine holds that dtype, else from its
+        # float32 masters.
+        engine_dtype = resolve_dtype(self.spec.plan.rollout_dtype(self.spec.device))
         marked = getattr(model, "tearless_compute_dtype", None)
         if marked is not None:
-            set_compute_dtype(model, resolve_dtype(self.spec.plan.rollout_dtype(self.spec.device)))
+            set_compute_dtype(model, engine_dtype)
+        copies = getattr(model, "tearless_copies", None)
+        held = (
+            copies_for(model)
+            if copies is not None and copies.dtype == engine_dtype
+            else contextlib.nullcontext()
+        )
         model.eval()
         try:
-            with self._forward_mode(model):
+            with self._forward_mode(model), held:
                 lp, _ = response_logprobs(model, row[:, :1], mask[:, :1], row[:, 1:], mask[:, 1:])
         finally:
             model.train(was_training)

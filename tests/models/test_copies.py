@@ -98,3 +98,23 @@ def test_a_pass_casts_no_weight_where_autocast_casts_every_one():
         with WeightCasts(list(model.parameters()) + list(model.tearless_copies.masters)) as casts:
             loss_of(model, 3).backward()
     assert casts.count == 0
+
+
+def test_a_lora_model_trains_float32_adapter_masters_from_bf16_copies():
+    from tearless.models.lora import add_lora
+
+    model = add_lora(tiny(), rank=4, alpha=8, target_modules="all-linear")
+    attach(model, torch.bfloat16)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # outside the passes: the masters
+    with copies_for(model):
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        loss_of(model, 3).backward()
+        with model.disable_adapter():  # the LoRA reference: the base alone
+            reference = loss_of(model, 3).detach()
+    assert all((p.grad is not None) == (n in trained) for n, p in model.named_parameters())
+    assert all(p.grad.dtype == torch.float32 for n, p in model.named_parameters() if n in trained)
+    # The adapters' B starts at zero, so the policy equals the reference before any step.
+    with copies_for(model):
+        assert torch.equal(loss_of(model, 3).detach(), reference)
