@@ -26,12 +26,13 @@ compiles: tens of seconds, once per process (inductor's caches on disk shorten l
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tearless.distributed.fsdp import decoder_layers
+from tearless.models.swap import Swap
 
 # Keyword arguments by which a decoder layer receives a KV cache (names differ by architecture and
 # transformers version).
@@ -43,31 +44,23 @@ CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 RECOMPILE_LIMIT = 64
 
 
-class CompiledLayers:
+class CompiledLayers(Swap):
     """The compiled forwards of ``layers``; :meth:`active` swaps them in."""
 
     def __init__(self, layers: list[torch.nn.Module]) -> None:
         self.layers = layers
-        self.depth = 0  # > 0 inside active(): a pass entered from inside another keeps the swap
         self.forwards = [
             _cache_free(layer.forward, torch.compile(layer.forward, dynamic=True)) for layer in layers
         ]
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """Each layer's compiled forward in place of its eager one, for the region."""
-        if self.depth:
-            yield
-            return
-        self.depth = 1
+    def swap_in(self) -> None:
+        """Each layer's compiled forward in place of its eager one."""
         for layer, forward in zip(self.layers, self.forwards, strict=True):
             layer.forward = forward
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                del layer.forward
-            self.depth = 0
+
+    def swap_out(self) -> None:
+        for layer in self.layers:
+            del layer.forward
 
 
 def _cache_free(eager: Callable, compiled: Callable) -> Callable:

@@ -30,17 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 
 import torch
 
+from tearless.models.swap import Swap
 
-class ComputeCopies:
+
+class ComputeCopies(Swap):
     """The compute-dtype copies of ``model``'s parameters (tied parameters share one copy)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.depth = 0  # > 0 inside active(): a region entered from inside another keeps the swap
         made: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
         self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
         for module in model.modules():
@@ -63,21 +63,14 @@ class ComputeCopies:
         if self.copies:
             torch._foreach_copy_(self.copies, self.masters)
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        """The copies in the modules' parameter slots for the region, the masters back after it."""
-        if self.depth:
-            yield
-            return
-        self.depth = 1
+    def swap_in(self) -> None:
+        """The copies in the modules' parameter slots (the masters back in :meth:`swap_out`)."""
         for module, name, _, copy in self.slots:
             module._parameters[name] = copy
-        try:
-            yield
-        finally:
-            for module, name, master, _ in self.slots:
-                module._parameters[name] = master
-            self.depth = 0
+
+    def swap_out(self) -> None:
+        for module, name, master, _ in self.slots:
+            module._parameters[name] = master
 
 
 def _fold(master: torch.nn.Parameter, copy: torch.nn.Parameter) -> None:
