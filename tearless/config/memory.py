@@ -9,7 +9,7 @@ from typing import Any
 
 from tearless.config.derived import world_size
 from tearless.config.errors import ConfigError
-from tearless.config.plan import RunPlan, build_plan
+from tearless.config.plan import ROLES, RunPlan, build_plan
 from tearless.config.schema import Config
 from tearless.config.user_model import is_user_model
 from tearless.devices import device_defaults
@@ -48,9 +48,7 @@ def run_estimate(
     chunking = actor.entropy_from_logits_with_chunking
     auto = device_defaults(device).chunk_logits and micro_tokens > chunk
     fused = arr.model.use_fused_kernels and arr.model.use_remove_padding
-    held = world == 1 and compute == 2  # compute copies: unsharded models in a 16-bit dtype only
-    copy_bytes = 2 if held and plan.sections.compute_copies("actor") else 0
-    frozen_bytes = 2 if held and plan.sections.compute_copies("ref") else 4
+    held = {r: world == 1 and bf16(plan, r, device) and plan.sections.compute_copies(r) for r in ROLES}
     return estimate(
         shape,
         world=world,
@@ -66,9 +64,17 @@ def run_estimate(
         reference="ref" in plan.roles,
         teacher=None if teacher_config is None else ModelShape.from_config(teacher_config),
         teacher_offload=arr.teacher.fsdp_config.param_offload,
-        copy_bytes=copy_bytes,
-        frozen_bytes=frozen_bytes,
+        copy_bytes=2 if held["actor"] else 0,
+        reference_bytes=2 if held["ref"] else 4,
+        teacher_bytes=2 if held["teacher"] else 4,
     )
+
+
+def bf16(plan: RunPlan, role: str, device: str) -> bool:
+    """Whether ``role`` computes in bf16, the dtype of compute copies (``fsdp_config.compute_copies``,
+    unsharded models only): its ``param_dtype`` says so, or is unset or ``auto`` on CUDA."""
+    name = plan.param_dtype(role)
+    return name in ("bfloat16", "bf16") or (device == "cuda" and name in (None, "auto"))
 
 
 def check_memory(est: MemoryEstimate, total_bytes: int, device: str) -> str | None:

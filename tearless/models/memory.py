@@ -177,7 +177,8 @@ def estimate(
     teacher: ModelShape | None = None,
     teacher_offload: bool = False,
     copy_bytes: int = 0,
-    frozen_bytes: int = 4,
+    reference_bytes: int = 4,
+    teacher_bytes: int = 4,
 ) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of one rank: parameters, gradients and optimizer state divided by
     ``world`` (FSDP2's full sharding); ``micro_tokens`` tokens in one micro-batch's forward and
@@ -186,12 +187,11 @@ def estimate(
     reference is a separate model (not LoRA's adapters-off actor); a frozen ``teacher`` of its own
     shape (on-policy distillation; none on the GPU when ``teacher_offload``). ``copy_bytes``: the
     bytes per parameter of the actor's compute copies beside its float32 masters (2 with
-    ``compute_copies`` in bf16, else 0); ``frozen_bytes``: those of the reference's and teacher's
-    parameters (2 when they are held in bf16)."""
+    ``compute_copies`` in bf16, else 0); ``reference_bytes``, ``teacher_bytes``: those of the
+    reference's and the teacher's parameters (2 when held in bf16)."""
     n = shape.parameters
     trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
     params = 0 if param_offload else 4 * n // world
-    frozen = frozen_bytes * n // world
     return MemoryEstimate(
         parameters=params + (0 if param_offload else copy_bytes * n // world),
         gradients=0 if param_offload else 4 * trained // world,
@@ -202,6 +202,6 @@ def estimate(
         micro_tokens=micro_tokens,
         kv_per_token=2 * shape.layers * shape.kv_width * (rollout_bytes or compute_bytes),
         rollout_tokens=rollout_tokens,
-        reference=0 if param_offload or not reference or lora_rank else frozen,
-        teacher=0 if teacher is None or teacher_offload else frozen_bytes * teacher.parameters // world,
+        reference=0 if param_offload or not reference or lora_rank else reference_bytes * n // world,
+        teacher=0 if teacher is None or teacher_offload else teacher_bytes * teacher.parameters // world,
     )

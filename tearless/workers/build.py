@@ -66,12 +66,13 @@ class ModelBuilder:
         """A model on CPU or on one GPU computing in a reduced ``param_dtype``: from compute copies
         (``fsdp_config.compute_copies``, unsharded only: bf16 copies of a trained model's float32
         masters, or a frozen model's parameters held in bf16; :mod:`tearless.models.copies`), else
-        marked for autocast. Sharded GPU models compute in it through FSDP2's mixed precision."""
+        marked for autocast (float16 always). Sharded GPU models compute in it through FSDP2's mixed
+        precision."""
         dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
         if dtype == torch.float32:
             return
-        if self.mesh is not None or not self.spec.sections.compute_copies(role):
-            set_compute_dtype(model, dtype)
+        if self.mesh is not None or dtype != torch.bfloat16 or not self.spec.sections.compute_copies(role):
+            set_compute_dtype(model, dtype)  # float16 copies would need loss scaling: autocast
         elif any(p.requires_grad for p in model.parameters()):
             attach(model, dtype)
         else:

@@ -249,7 +249,14 @@ class Rank:
             yield
             return
         model = self.roles["actor"].model
-        with gathered(model, self.models.fsdp("actor").reshard_after_forward), copies_for(model):
+        copies = getattr(model, "tearless_copies", None)
+        # Compute copies sample when the engine computes in their dtype; rollout.dtype=float32 samples
+        # from the float32 masters.
+        own = copies is None or copies.dtype != self.spec.plan.hybrid_rollout_dtype(
+            self.spec.device, warn=False
+        )
+        held = contextlib.nullcontext() if own else copies_for(model)
+        with gathered(model, self.models.fsdp("actor").reshard_after_forward), held:
             yield
 
     def generate_share(

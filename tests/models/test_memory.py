@@ -98,11 +98,8 @@ def test_from_a_transformers_config_and_a_run_config():
 def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
     # fsdp_config.compute_copies=true, KL loss (a separate reference), one GPU, bf16: the actor holds
     # its float32 masters (4N) and bf16 copies (2N); the reference its parameters in bf16 (2N, not 4N).
-    n = QWEN_05B.parameters
-    keys = [
-        "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.fsdp_config.compute_copies=true",
-    ]
+    n, arr = QWEN_05B.parameters, "actor_rollout_ref"
+    keys = [f"{arr}.actor.use_kl_loss=true", f"{arr}.actor.fsdp_config.compute_copies=true"]
     config = Qwen2Config(
         hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
@@ -112,6 +109,20 @@ def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
     assert (off.parameters, off.reference) == (4 * n, 4 * n)
     assert (on.parameters, on.reference) == (6 * n, 2 * n)
     assert on.state == off.state  # +2N for the copies, -2N for the reference
+    # Copies are bf16 only, per role: an explicit float32 actor or reference makes none.
+    f32 = [
+        *keys,
+        f"{arr}.actor.fsdp_config.param_dtype=float32",
+        f"{arr}.ref.fsdp_config.param_dtype=float32",
+    ]
+    est = run_estimate(load_config(None, f32, device="cuda", notify=lambda _: None), config, "cuda")
+    assert (est.parameters, est.reference) == (4 * n, 4 * n)
+    # The teacher by its own key: held in bf16 unless its compute_copies says otherwise.
+    teach = [*keys, f"{arr}.teacher.model.path=/t", "algorithm.adv_estimator=on_policy_distill"]
+    for own, expect in ((None, 2), ("false", 4)):
+        extra = [] if own is None else [f"{arr}.teacher.fsdp_config.compute_copies={own}"]
+        cfg = load_config(None, [*teach, *extra], device="cuda", notify=lambda _: None)
+        assert run_estimate(cfg, config, "cuda", config).teacher == expect * n
     # Sharded models use FSDP2's mixed precision: no copies, a float32 reference shard.
     two = [*keys, "trainer.placement=ray", "trainer.n_gpus_per_node=2"]
     sharded = run_estimate(load_config(None, two, device="cuda", notify=lambda _: None), config, "cuda")
