@@ -48,7 +48,7 @@ def run_estimate(
     chunking = actor.entropy_from_logits_with_chunking
     auto = device_defaults(device).chunk_logits and micro_tokens > chunk
     fused = arr.model.use_fused_kernels and arr.model.use_remove_padding
-    held = {r: world == 1 and bf16(plan, r, device) and plan.sections.compute_copies(r) for r in ROLES}
+    held = {r: world == 1 and plan.holds_copies(r, device) for r in ROLES}
     return estimate(
         shape,
         world=world,
@@ -68,13 +68,6 @@ def run_estimate(
         reference_bytes=2 if held["ref"] else 4,
         teacher_bytes=2 if held["teacher"] else 4,
     )
-
-
-def bf16(plan: RunPlan, role: str, device: str) -> bool:
-    """Whether ``role`` computes in bf16, the dtype of compute copies (``fsdp_config.compute_copies``,
-    unsharded models only): its ``param_dtype`` says so, or is unset or ``auto`` on CUDA."""
-    name = plan.param_dtype(role)
-    return name in ("bfloat16", "bf16") or (device == "cuda" and name in (None, "auto"))
 
 
 def check_memory(est: MemoryEstimate, total_bytes: int, device: str) -> str | None:

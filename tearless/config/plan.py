@@ -284,6 +284,14 @@ class RunPlan:
         actor = compute_dtype(self.param_dtype("actor"), device, role_key("actor"), warn=False)
         return self.hybrid_rollout_dtype(device, warn=False) != actor
 
+    def holds_copies(self, role: str, device: str) -> bool:
+        """Whether ``role``'s model, unsharded on ``device``, computes from compute copies (a frozen
+        one: holds its parameters in them; :mod:`tearless.models.copies`): its
+        ``fsdp_config.compute_copies`` and a bf16 compute dtype there (float16 keeps autocast: its
+        copies would need loss scaling)."""
+        dtype = compute_dtype(self.param_dtype(role), device, role_key(role), warn=False)
+        return dtype == torch.bfloat16 and self.sections.compute_copies(role)
+
     def eager_despite_compile(self, world: int) -> str | None:
         """The line to print when ``actor.use_torch_compile`` is on but the actor's passes all carry a
         KV cache, which runs eager (:mod:`tearless.models.compiled`): the shared-prompt padded pass

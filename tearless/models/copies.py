@@ -98,10 +98,13 @@ def refresh_after(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> N
         optimizer.register_step_post_hook(lambda *_: copies.refresh())
 
 
-def copies_for(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """``model``'s compute copies in place for the region; a no-op for a model without them."""
+def copies_for(model: torch.nn.Module, dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager:
+    """``model``'s compute copies in place for the region; a no-op for a model without them, or whose
+    copies are not in ``dtype`` when one is given (an engine computing in float32 reads the masters)."""
     copies = getattr(model, "tearless_copies", None)
-    return contextlib.nullcontext() if copies is None else copies.active()
+    if copies is None or dtype not in (None, copies.dtype):
+        return contextlib.nullcontext()
+    return copies.active()
 
 
 @torch.no_grad()

@@ -71,8 +71,8 @@ class ModelBuilder:
         dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
         if dtype == torch.float32:
             return
-        if self.mesh is not None or dtype != torch.bfloat16 or not self.spec.sections.compute_copies(role):
-            set_compute_dtype(model, dtype)  # float16 copies would need loss scaling: autocast
+        if self.mesh is not None or not self.spec.plan.holds_copies(role, self.device.type):
+            set_compute_dtype(model, dtype)
         elif any(p.requires_grad for p in model.parameters()):
             attach(model, dtype)
         else:

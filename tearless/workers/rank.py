@@ -249,14 +249,10 @@ class Rank:
             yield
             return
         model = self.roles["actor"].model
-        copies = getattr(model, "tearless_copies", None)
         # Compute copies sample when the engine computes in their dtype; rollout.dtype=float32 samples
         # from the float32 masters.
-        own = copies is None or copies.dtype != self.spec.plan.hybrid_rollout_dtype(
-            self.spec.device, warn=False
-        )
-        held = contextlib.nullcontext() if own else copies_for(model)
-        with gathered(model, self.models.fsdp("actor").reshard_after_forward), held:
+        sampled = self.spec.plan.hybrid_rollout_dtype(self.spec.device, warn=False)
+        with gathered(model, self.models.fsdp("actor").reshard_after_forward), copies_for(model, sampled):
             yield
 
     def generate_share(
@@ -449,15 +445,9 @@ class Rank:
         marked = getattr(model, "tearless_compute_dtype", None)
         if marked is not None:
             set_compute_dtype(model, engine_dtype)
-        copies = getattr(model, "tearless_copies", None)
-        held = (
-            copies_for(model)
-            if copies is not None and copies.dtype == engine_dtype
-            else contextlib.nullcontext()
-        )
         model.eval()
         try:
-            with self._forward_mode(model), held:
+            with self._forward_mode(model), copies_for(model, engine_dtype):
                 lp, _ = response_logprobs(model, row[:, :1], mask[:, :1], row[:, 1:], mask[:, 1:])
         finally:
             model.train(was_training)

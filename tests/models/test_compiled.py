@@ -17,23 +17,28 @@ from tests.models.test_models import float64_model_tols
 from tests.models.test_packing import batch, tiny
 
 
-@pytest.fixture
-def spied(monkeypatch):
-    """``torch.compile`` as the module calls it, counting the calls of each compiled forward."""
-    calls = []
+def spy_compile(mp: pytest.MonkeyPatch) -> list[bool]:
+    """``torch.compile`` spied on through ``mp``: each call of a compiled forward appends whether
+    gradients were enabled."""
+    calls: list[bool] = []
     real = torch.compile
 
     def spy(fn, **kw):
         inner = real(fn, **kw)
 
         def counted(*args, **kwargs):
-            calls.append(fn)
+            calls.append(torch.is_grad_enabled())
             return inner(*args, **kwargs)
 
         return counted
 
-    monkeypatch.setattr(compiled.torch, "compile", spy)
+    mp.setattr(compiled.torch, "compile", spy)
     return calls
+
+
+@pytest.fixture
+def spied(monkeypatch):
+    return spy_compile(monkeypatch)
 
 
 def run(model, share_prompts, remove_padding):

@@ -9,17 +9,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tearless.models.copies import attach, copies_for, hold_in, refresh_after
 from tearless.models.logprobs import response_logprobs
 from tests.models.test_packing import batch
+from tests.models.test_packing import tiny as tiny_float64
 
 
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    """test_packing's tiny Llama (grouped-query attention, tied embeddings) in float32."""
+    return tiny_float64("sdpa").float()
 
 
 def loss_of(model, seed):
