@@ -67,6 +67,7 @@ def run_estimate(
         copy_bytes=2 if held["actor"] else 0,
         reference_bytes=2 if held["ref"] else 4,
         teacher_bytes=2 if held["teacher"] else 4,
+        base_bytes=2 if world == 1 and plan.holds_base_in_copies(device) else 4,
     )
 
 

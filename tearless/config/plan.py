@@ -66,7 +66,7 @@ from tearless.config.schema import (
 )
 from tearless.devices import device_defaults
 from tearless.models.hub import local_model_path
-from tearless.models.loading import check_model_dir
+from tearless.models.loading import check_model_dir, resolve_dtype
 from tearless.models.precision import compute_dtype
 from tearless.rollout.engine import Capabilities, engine_capabilities
 
@@ -291,6 +291,18 @@ class RunPlan:
         copies would need loss scaling)."""
         dtype = compute_dtype(self.param_dtype(role), device, role_key(role), warn=False)
         return dtype == torch.bfloat16 and self.sections.compute_copies(role)
+
+    def holds_base_in_copies(self, device: str) -> bool:
+        """Whether a LoRA actor with compute copies holds its frozen base in the copies' dtype alone
+        (2 bytes a parameter, no float32 master: :mod:`tearless.models.copies`): when its engine
+        samples in that dtype too (the built-in hybrid engine's :meth:`hybrid_rollout_dtype`, an
+        engine holding its own weights: :meth:`rollout_dtype`), so nothing forwards the base in
+        float32; with a float32 engine the base keeps its float32 masters beside the copies."""
+        if not (self.sections.model.lora_rank > 0 and self.holds_copies("actor", device)):
+            return False
+        if self.capabilities.holds_own_weights:
+            return resolve_dtype(self.rollout_dtype(device)) == torch.bfloat16
+        return self.hybrid_rollout_dtype(device, warn=False) == torch.bfloat16
 
     def eager_despite_compile(self, world: int) -> str | None:
         """The line to print when ``actor.use_torch_compile`` is on but the actor's passes all carry a

@@ -21,9 +21,16 @@ inputs), as FSDP2's mixed precision and veRL's run it; tearless still upcasts th
 before the log-softmax, and the losses are float32.
 
 A frozen model (the reference, the teacher) needs no master: its parameters are held in the compute
-dtype itself (:func:`hold_in`), halving its memory. Buffers keep their dtype in both cases: rotary's
-``inv_freq`` rounded to bf16 would move every position's angle, and the reference would no longer
-compute what the actor's copies compute.
+dtype itself (:func:`hold_in`), halving its memory. So do the frozen parameters of a trained model
+when nothing outside the passes forwards them in float32 (``hold_frozen``: a LoRA actor's base,
+when its engine samples in the copies' dtype too): a LoRA base then costs 2 bytes a parameter, not
+a float32 master's 4 and a copy's 2, and only the adapters have masters and copies. Outside the
+passes the model is then mixed (a bf16 base beside float32 adapter masters: peft casts each adapter's
+output back to the base's dtype), which nothing samples from; a float32 engine needs the float32
+base, so it keeps its masters there (:meth:`~tearless.config.plan.RunPlan.holds_base_in_copies`).
+
+Buffers keep their dtype in both cases: rotary's ``inv_freq`` rounded to bf16 would move every
+position's angle, and the reference would no longer compute what the actor's copies compute.
 """
 
 from __future__ import annotations
@@ -37,15 +44,20 @@ from tearless.models.swap import Swap
 
 
 class ComputeCopies(Swap):
-    """The compute-dtype copies of ``model``'s parameters (tied parameters share one copy)."""
+    """The compute-dtype copies of ``model``'s parameters (tied parameters share one copy); with
+    ``hold_frozen``, its frozen parameters are held in ``dtype`` instead (their own copies)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, *, hold_frozen: bool = False) -> None:
         self.dtype = dtype
+        self.holds_frozen = hold_frozen
         made: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}
         self.slots: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
         for module in model.modules():
             for name, master in module._parameters.items():
                 if master is None:
+                    continue
+                if hold_frozen and not master.requires_grad:
+                    master.data = master.data.to(dtype)  # a tied one is cast once: then it is in dtype
                     continue
                 if id(master) not in made:
                     copy = torch.nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
@@ -83,9 +95,10 @@ def _fold(master: torch.nn.Parameter, copy: torch.nn.Parameter) -> None:
     copy.grad = None
 
 
-def attach(model: torch.nn.Module, dtype: torch.dtype) -> ComputeCopies:
-    """Give the trained ``model`` compute copies in ``dtype`` (read by :func:`copies_for`)."""
-    copies = ComputeCopies(model, dtype)
+def attach(model: torch.nn.Module, dtype: torch.dtype, *, hold_frozen: bool = False) -> ComputeCopies:
+    """Give the trained ``model`` compute copies in ``dtype`` (read by :func:`copies_for`); with
+    ``hold_frozen``, hold its frozen parameters in ``dtype`` (module docs)."""
+    copies = ComputeCopies(model, dtype, hold_frozen=hold_frozen)
     model.tearless_copies = copies
     return copies
 
@@ -105,6 +118,13 @@ def copies_for(model: torch.nn.Module, dtype: torch.dtype | None = None) -> cont
     if copies is None or dtype not in (None, copies.dtype):
         return contextlib.nullcontext()
     return copies.active()
+
+
+def holds_frozen(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds its frozen parameters in its copies' dtype (:func:`attach`'s
+    ``hold_frozen``): outside the passes it is mixed, a bf16 base beside float32 masters."""
+    copies = getattr(model, "tearless_copies", None)
+    return copies is not None and copies.holds_frozen
 
 
 @torch.no_grad()

@@ -3,7 +3,9 @@ r"""How much device memory a training rank needs, known before any weight is loa
 For a decoder of N parameters (hidden size h, L layers, key/value width k = kv_heads · head_dim, MLP
 width i, vocabulary V) trained with AdamW on float32 master weights, one rank holds:
 
-- **parameters** 4N bytes (float32), ÷ world size when FSDP2 shards them, 0 when offloaded;
+- **parameters** 4N bytes (float32), ÷ world size when FSDP2 shards them, 0 when offloaded; with
+  compute copies in bf16 (one process) 2N more, or, for a LoRA actor whose base is held in bf16,
+  2(N − T) + 6T;
 - **gradients** 4·T bytes for the T trained parameters (T = N, or the LoRA adapters' count);
 - **optimizer** 8·T bytes (AdamW's two float32 moments), 0 when offloaded;
 - **activations** per token of a micro-batch, in the compute dtype (c bytes: 2 for bf16, 4 for
@@ -179,6 +181,7 @@ def estimate(
     copy_bytes: int = 0,
     reference_bytes: int = 4,
     teacher_bytes: int = 4,
+    base_bytes: int = 4,
 ) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of one rank: parameters, gradients and optimizer state divided by
     ``world`` (FSDP2's full sharding); ``micro_tokens`` tokens in one micro-batch's forward and
@@ -188,12 +191,14 @@ def estimate(
     shape (on-policy distillation; none on the GPU when ``teacher_offload``). ``copy_bytes``: the
     bytes per parameter of the actor's compute copies beside its float32 masters (2 with
     ``compute_copies`` in bf16, else 0); ``reference_bytes``, ``teacher_bytes``: those of the
-    reference's and the teacher's parameters (2 when held in bf16)."""
+    reference's and the teacher's parameters (2 when held in bf16); ``base_bytes``: those of a LoRA
+    actor's frozen base (2 when held in bf16 with its copies: then only the adapters have copies)."""
     n = shape.parameters
     trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
-    params = 0 if param_offload else 4 * n // world
+    held = lora_rank > 0 and base_bytes != 4
+    weights = 4 * trained + base_bytes * (n - trained) + copy_bytes * (trained if held else n)
     return MemoryEstimate(
-        parameters=params + (0 if param_offload else copy_bytes * n // world),
+        parameters=0 if param_offload else weights // world,
         gradients=0 if param_offload else 4 * trained // world,
         optimizer=0 if optimizer_offload else 8 * trained // world,
         activation_per_token=activation_bytes_per_token(

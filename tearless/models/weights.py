@@ -13,12 +13,14 @@ ranks only join the gathers); a LoRA actor's directory holds its adapter, as pef
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from tearless.distributed.fsdp import full_tensor, local_tensor
+from tearless.models.copies import holds_frozen
 from tearless.models.loading import quiet_transformers
 from tearless.models.lora import is_lora
 
@@ -34,15 +36,26 @@ def _lora_delta(module: torch.nn.Module) -> torch.Tensor:
     return delta
 
 
-def _gathered(state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) of a state dict, each storage gathered once: tied weights (an LM head
-    sharing the embedding) come back as the same tensor, as ``save_pretrained`` expects of them."""
+def _gathered(
+    state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, uncast: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of a state dict, each storage gathered (and cast to ``dtype``, but for the
+    names in ``uncast``) once: tied weights (an LM head sharing the embedding) come back as the same
+    tensor, as ``save_pretrained`` expects of them. Only a tied storage's tensor is kept for its next
+    name; the others are the caller's to free."""
+    keys = {n: (local_tensor(v).untyped_storage().data_ptr(), tuple(v.shape)) for n, v in state.items()}
+    tied = {k for k, count in Counter(keys.values()).items() if count > 1}
     seen: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
     for name, value in state.items():
-        key = (local_tensor(value).untyped_storage().data_ptr(), tuple(value.shape))
-        if key not in seen:
-            seen[key] = full_tensor(value).detach()
-        yield name, seen[key]
+        key = keys[name]
+        if key in seen:
+            yield name, seen[key]
+            continue
+        t = full_tensor(value).detach()
+        t = t if dtype is None or name in uncast else t.to(dtype)
+        if key in tied:
+            seen[key] = t
+        yield name, t
 
 
 @torch.no_grad()
@@ -53,8 +66,7 @@ def hf_weights(
     base weights W plus (α/r)·B A (``merged``), or its frozen base W alone (an engine that serves the
     adapter itself)."""
     if not is_lora(model):
-        for name, t in _gathered(model.state_dict()):
-            yield name, t if dtype is None else t.to(dtype)
+        yield from _gathered(model.state_dict(), dtype)
         return
     from peft.tuners.lora import LoraLayer
 
@@ -70,11 +82,14 @@ def hf_weights(
         and ".original_module." not in k
         and (".modules_to_save." not in k or trained in k)
     }
-    for key, t in _gathered(state):
-        owner, _, leaf = key.rpartition(".base_layer.")
-        if merged and leaf == "weight" and owner in layers:
-            t = t + _lora_delta(layers[owner]).to(t.dtype)
-        yield key.replace(".base_layer.", "."), t if dtype is None else t.to(dtype)
+    suffix = ".base_layer.weight"
+    merges = frozenset(k for k in state if merged and k.endswith(suffix) and k[: -len(suffix)] in layers)
+    for key, t in _gathered(state, dtype, merges):
+        if key in merges:  # W + (α/r)·B A, in the adapters' float32 when W is held in bf16
+            delta = _lora_delta(layers[key[: -len(suffix)]])
+            t = t.to(torch.promote_types(t.dtype, delta.dtype)) + delta
+            t = t if dtype is None else t.to(dtype)
+        yield key.replace(".base_layer.", "."), t
 
 
 @torch.no_grad()
@@ -101,7 +116,8 @@ def save_model(
             model.peft_config[model.active_adapter].save_pretrained(str(directory))
         return
     state, on_cpu = {}, {}
-    for name, t in hf_weights(model):
+    # A LoRA base held in bf16 (compute copies) is saved merged in float32, as a float32 base is.
+    for name, t in hf_weights(model, torch.float32 if holds_frozen(model) else None):
         if write:  # one CPU copy per tensor, so tied weights stay one storage
             state[name] = on_cpu.setdefault(id(t), t.cpu())
     if write:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from tearless.distributed.fsdp import local_tensor
+from tearless.models.copies import copies_for
 from tearless.models.loading import compute_device
 from tearless.run import checkpoint as ckpt
 
@@ -37,8 +38,9 @@ def weights_finite(model: torch.nn.Module) -> bool:
 
 
 def logits_finite(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
-    """Whether ``model``'s logits on ``input_ids`` (1, T) are all finite."""
-    with torch.no_grad():
+    """Whether ``model``'s logits on ``input_ids`` (1, T) are all finite: from its compute copies when
+    it has them (the weights its passes and its engine compute from, refreshed by the step)."""
+    with torch.no_grad(), copies_for(model):
         logits = model(input_ids=input_ids.to(compute_device(model))).logits
     return bool(torch.isfinite(logits).all())
 

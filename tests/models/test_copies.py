@@ -113,3 +113,84 @@ def test_a_lora_model_trains_float32_adapter_masters_from_bf16_copies():
     # The adapters' B starts at zero, so the policy equals the reference before any step.
     with copies_for(model):
         assert torch.equal(loss_of(model, 3).detach(), reference)
+
+
+def lora_pair():
+    """The same LoRA model (B drawn, so the adapters change the output) with copies twice: its frozen
+    base with float32 masters beside the copies, and held in bf16 (``hold_frozen``)."""
+    from tearless.models.lora import add_lora
+
+    models = []
+    for hold in (False, True):
+        torch.manual_seed(0)
+        model = add_lora(tiny(), rank=4, alpha=8, target_modules="all-linear")
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.1)
+        attach(model, torch.bfloat16, hold_frozen=hold)
+        models.append(model)
+    return models
+
+
+def held_bytes(model):
+    """The bytes of ``model``'s parameters and of its copies (each storage once)."""
+    copies = {id(c): c for *_, c in model.tearless_copies.slots}
+    return sum(p.numel() * p.element_size() for p in [*model.parameters(), *copies.values()])
+
+
+def test_a_lora_base_held_in_bf16_computes_bit_for_bit_what_its_copies_do_in_a_third_of_the_bytes():
+    both, held = lora_pair()
+    frozen = [p for p in held.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    assert all(p.dtype == torch.float32 for p in held.parameters() if p.requires_grad)
+    # Bytes: base 4 + 2 (master and copy) -> 2; the adapters 4 + 2 either way.
+    base = sum(p.numel() for p in frozen)
+    adapters = sum(p.numel() for p in held.parameters() if p.requires_grad)
+    assert held_bytes(both) == 6 * (base + adapters) and held_bytes(held) == 2 * base + 6 * adapters
+    for model in (both, held):
+        with copies_for(model):
+            model.loss = loss_of(model, 3)
+            model.loss.backward()
+            with model.disable_adapter():
+                model.reference = loss_of(model, 3).detach()
+    assert torch.equal(both.loss, held.loss) and torch.equal(both.reference, held.reference)
+    assert not torch.equal(held.loss, held.reference)  # the drawn adapters matter
+    for a, b in zip(both.parameters(), held.parameters(), strict=True):
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+
+
+def test_a_held_base_merges_in_float32_and_exports_float32_with_its_tie_and_the_guard_forwards_it(tmp_path):
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file
+
+    from tearless.models.weights import _lora_delta, hf_weights, save_model
+    from tearless.run.guards import logits_finite
+
+    both, held = lora_pair()
+    base = held.get_base_model()
+    for dtype in (torch.bfloat16, torch.float32, None):
+        a, b = dict(hf_weights(both, dtype)), dict(hf_weights(held, dtype))
+        assert a.keys() == b.keys()
+        merges = 0
+        for k, t in b.items():
+            module = base.get_submodule(k.rpartition(".")[0])
+            if isinstance(module, LoraLayer) and k.endswith(".weight"):
+                # W held in bf16, plus the float32 (α/r)·B A, cast once to the engine's dtype (float32
+                # when none is asked: the adapters' dtype).
+                exact = module.base_layer.weight.float() + _lora_delta(module)
+                assert torch.equal(t, exact if dtype is None else exact.to(dtype)), k
+                merges += 1
+            else:  # the rest of the base: W's bf16 rounding
+                assert torch.equal(t, a[k].to(torch.bfloat16).to(dtype or torch.bfloat16)), k
+        assert merges == 2 * 7  # every linear layer of both blocks
+    save_model(held, tmp_path / "merged", write=True, merged=True)
+    saved = load_file(tmp_path / "merged" / "model.safetensors")
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert "lm_head.weight" not in saved  # still tied to the embedding
+    # The bad-step guard forwards through the copies: what the engine samples from.
+    seen = []
+    lora_a = base.model.layers[0].mlp.up_proj.lora_A["default"]
+    hook = lora_a.register_forward_hook(lambda m, *_: seen.append(m.weight.dtype))
+    assert logits_finite(held, torch.tensor([[1, 2, 3]])) and seen == [torch.bfloat16]
+    hook.remove()

@@ -123,6 +123,15 @@ def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
         extra = [] if own is None else [f"{arr}.teacher.fsdp_config.compute_copies={own}"]
         cfg = load_config(None, [*teach, *extra], device="cuda", notify=lambda _: None)
         assert run_estimate(cfg, config, "cuda", config).teacher == expect * n
+    # LoRA: the reference is the adapters-off actor, and the frozen base is held in bf16 when the engine
+    # samples in bf16 (the CUDA default): 2 bytes a base parameter, 4 + 2 for the T adapter parameters;
+    # a float32 engine keeps the float32 base beside its copies (6 bytes a parameter).
+    lora = [*keys, f"{arr}.model.lora_rank=8"]
+    t = QWEN_05B.lora_parameters(8)
+    for extra, expect in (([], 2 * (n - t) + 6 * t), ([f"{arr}.rollout.dtype=float32"], 6 * n)):
+        cfg = load_config(None, [*lora, *extra], device="cuda", notify=lambda _: None)
+        est = run_estimate(cfg, config, "cuda")
+        assert (est.parameters, est.reference, est.gradients) == (expect, 0, 4 * t)
     # Sharded models use FSDP2's mixed precision: no copies, a float32 reference shard.
     two = [*keys, "trainer.placement=ray", "trainer.n_gpus_per_node=2"]
     sharded = run_estimate(load_config(None, two, device="cuda", notify=lambda _: None), config, "cuda")

@@ -1,7 +1,8 @@
 """``fsdp_config.compute_copies=true`` end to end, bf16 forced on (this CPU may emulate it; the tiny
-model keeps that cheap): the actor trains from bf16 copies of float32 masters, the reference is held
-in bf16, checkpoints hold the float32 masters and the optimizer state of every trained parameter,
-and a run resumed from step 1 lands on the uninterrupted run's step 2 bit for bit."""
+model keeps that cheap), full fine-tuning and LoRA: the actor trains from bf16 copies of float32
+masters, the reference is held in bf16 (LoRA: the base itself is, the reference being the adapters-off
+actor), checkpoints hold the float32 masters and the optimizer state of every trained parameter, and a
+run resumed from step 1 lands on the uninterrupted run's step 2 bit for bit."""
 
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ pytestmark = pytest.mark.slow
 ARR = "actor_rollout_ref"
 
 
-def run_args(overrides, run_dir):
+LORA = [f"{ARR}.model.lora_rank=4", f"{ARR}.actor.optim.lr=2e-3", f"{ARR}.model.lora_save_merged=true"]
+
+
+def run_args(overrides, run_dir, kind):
     return overrides(
         run_dir,
+        *(LORA if kind == "lora" else []),
         f"{ARR}.actor.fsdp_config.param_dtype=bfloat16",
         f"{ARR}.ref.fsdp_config.param_dtype=bfloat16",
         f"{ARR}.actor.fsdp_config.compute_copies=true",  # the reference follows the actor's setting
@@ -41,37 +46,61 @@ def run_args(overrides, run_dir):
     )
 
 
-@pytest.fixture(scope="module")
-def runs(overrides, tmp_path_factory):
-    root = tmp_path_factory.mktemp("copies")
-    made: list[tuple[str, torch.dtype]] = []
+@pytest.fixture(scope="module", params=["full", "lora"])
+def runs(request, overrides, tmp_path_factory):
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"copies-{kind}")
+    made: list[tuple] = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(precision, "cpu_has_native_bf16", lambda: True)
         for name, real in (("attach", build.attach), ("hold_in", build.hold_in)):
 
-            def counted(model, dtype, _name=name, _real=real):
-                made.append((_name, dtype))
-                return _real(model, dtype)
+            def counted(model, dtype, _name=name, _real=real, **kw):
+                made.append((_name, dtype, *kw.values()))
+                out = _real(model, dtype, **kw)
+                if _name == "attach":  # the bytes the actor holds, once built
+                    made.append(sorted({(p.dtype, p.requires_grad) for p in model.parameters()}, key=str))
+                return out
 
             mp.setattr(build, name, counted)
         full = root / "full"
-        train(None, run_args(overrides, full), log=lambda _: None)
+        train(None, run_args(overrides, full, kind), log=lambda _: None)
         resumed = root / "resumed"
         shutil.copytree(full, resumed)
         shutil.rmtree(resumed / "global_step_2")
         (resumed / "latest_checkpointed_iteration.txt").write_text("1")
-        summary = train(None, run_args(overrides, resumed), log=lambda _: None)
-    return dict(full=full, resumed=resumed, summary=summary, made=made)
+        summary = train(None, run_args(overrides, resumed, kind), log=lambda _: None)
+    return dict(kind=kind, full=full, resumed=resumed, summary=summary, made=made)
 
 
 def test_the_actor_has_copies_and_the_reference_is_held_in_bf16(runs):
-    # Two runs, each: copies for the trained actor, its parameters in bf16 for the frozen reference.
-    assert runs["made"] == [("attach", torch.bfloat16), ("hold_in", torch.bfloat16)] * 2
+    f32, bf16 = torch.float32, torch.bfloat16
+    if runs["kind"] == "full":
+        # Two runs, each: copies for the trained actor (float32 masters), its parameters in bf16 for
+        # the frozen reference.
+        made = [("attach", bf16, False), [(f32, True)], ("hold_in", bf16)]
+    else:
+        # LoRA: the base held in bf16 (the hybrid engine samples in bf16), float32 adapter masters;
+        # the reference is the adapters-off actor, no model of its own.
+        made = [("attach", bf16, True), [(bf16, False), (f32, True)]]
+    assert runs["made"] == made * 2
 
 
 def test_checkpoints_hold_float32_masters_and_every_parameters_optimizer_state(runs, task):
     start = load_file(Path(task.model_dir) / "model.safetensors")
-    weights = load_file(runs["full"] / "global_step_2" / "actor" / "model.safetensors")
+    step = runs["full"] / "global_step_2"
+    if runs["kind"] == "lora":
+        adapter = load_file(step / "actor" / "adapter_model.safetensors")
+        assert adapter and {t.dtype for t in adapter.values()} == {torch.float32}
+        # The merged export is float32 throughout, though the base was held in bf16: W rounded to bf16
+        # (exact in float32) plus the float32 (α/r)·B A.
+        merged = load_file(step / "actor_merged" / "model.safetensors")
+        assert merged.keys() == start.keys() and {t.dtype for t in merged.values()} == {torch.float32}
+        held = {k: start[k].to(torch.bfloat16).float() for k in start}
+        assert all(merged[k].equal(held[k]) for k in merged if "proj" not in k)
+        assert [k for k in merged if "proj" in k and not merged[k].equal(held[k])]
+        return
+    weights = load_file(step / "actor" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.float32}
     # Float32 masters, moved by small AdamW steps: values a bf16 tensor could not hold.
     moved = [k for k in weights if not weights[k].equal(start[k])]
@@ -86,6 +115,8 @@ def test_a_run_resumed_from_step_1_lands_on_step_2_bit_for_bit(runs):
     a = {r["step"]: comparable(r) for r in read_metrics(runs["full"] / "metrics.jsonl")}
     b = {r["step"]: comparable(r) for r in read_metrics(runs["resumed"] / "metrics.jsonl")}
     assert b[2] == a[2]
-    wa = load_file(runs["full"] / "global_step_2" / "actor" / "model.safetensors")
-    wb = load_file(runs["resumed"] / "global_step_2" / "actor" / "model.safetensors")
+    name = "adapter_model.safetensors" if runs["kind"] == "lora" else "model.safetensors"
+    wa = load_file(runs["full"] / "global_step_2" / "actor" / name)
+    wb = load_file(runs["resumed"] / "global_step_2" / "actor" / name)
+    assert wa
     assert [k for k in wa if not wa[k].equal(wb[k])] == []
