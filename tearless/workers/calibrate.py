@@ -43,6 +43,7 @@ those instructions bf16 is emulated and always slower. So ``auto`` resolves:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -269,7 +270,9 @@ def probe_seconds(config: Any, dtype: torch.dtype, phase: str, step: StepShape) 
     if model is None:
         _PROBES.clear()  # one probe model at a time: memory stays one model's
         torch.manual_seed(0)
-        model = _PROBES[key] = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # from a copy: from_config writes the dtype into the config it is given, which would change
+        # the key and build the model again at the next call
+        model = _PROBES[key] = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
     text = getattr(config, "text_config", None) or config
     generator = torch.Generator().manual_seed(0)
     if phase == "update":
