@@ -1,4 +1,4 @@
-"""``fsdp_config.param_dtype=auto``: float32 or bf16 autocast, chosen by measuring this CPU once.
+"""``fsdp_config.param_dtype=auto``: float32 or bf16, chosen by measuring this CPU once.
 
 Whether bf16 autocast pays on a CPU depends on the CPU, the model and the run: with AMX or AVX-512
 BF16 a large matmul runs ~2.5× faster in bf16, but every autocast region casts its activations (and
@@ -37,12 +37,30 @@ those instructions bf16 is emulated and always slower. So ``auto`` resolves:
   the medians are used. bf16 is chosen when step₃₂ / step₁₆ ≥ :data:`SPEEDUP_TO_SWITCH` (a 10%
   margin: the probe's own noise on a shared machine), and the line says so with the measured ratios.
   The result is cached under ``<cache>/precision/`` by CPU model and flags, torch version, thread
-  count, the model's shape and the step's shape, so the probe (seconds) runs once per machine, model
-  and batch shape.
+  count, the model's shape, the step's shape and how bf16 was computed, so the probe (seconds) runs
+  once per machine, model and batch shape.
+
+The bf16 candidate is timed as the run would compute it. By default that is autocast over the float32
+weights. A run whose actor would hold compute copies (``fsdp_config.compute_copies``,
+:mod:`tearless.models.copies`; ``copies`` here) computes bf16 from bf16 copies of float32 masters
+instead: no weight cast at any forward, the whole forward (residual stream included) in bf16. Then the
+probe gives its float32 model the run's copies (:func:`~tearless.models.copies.attach`, made once,
+dropped with the model) and times the bf16 candidate with them swapped in and no autocast: u is the
+forward + backward from the copies, each bf16 gradient added to its master's float32 one (as the run
+does), the loss still a float32 log-softmax; decoding samples from the copies. The copies' refresh after
+each optimizer step (one fused cast of every trained parameter, ``torch._foreach_copy_``) is a phase of
+its own, r, extrapolated in depth like the others and counted once per update epoch,
+
+    step₁₆ += ppo_epochs · r
+
+(a run with k mini-batches per epoch refreshes k times: the probe counts the smallest number, one
+per epoch); the float32 candidate holds no copies (r = 0) and is timed as without them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -58,7 +76,9 @@ import torch
 
 from tearless.cachedir import default_cache_dir
 from tearless.config import Config
+from tearless.config.derived import world_size
 from tearless.config.plan import RunPlan, role_key
+from tearless.models.copies import ComputeCopies, attach
 from tearless.models.precision import NATIVE_BF16_FLAGS, autocast, compute_dtype, cpu_has_native_bf16
 from tearless.rollout.hf import HFRollout
 
@@ -67,6 +87,7 @@ PROBE_ROWS, PROBE_TOKENS, PROBE_PAIRS = 2, 128, 3
 DECODE_ROWS, DECODE_PROMPT_MAX, DECODE_TOKENS = 64, 256, 8
 PROBE_DEPTHS = (1, 8)  # the second capped at the model's depth
 PHASES = ("update", "prefill", "decode")
+COPIES_PHASES = (*PHASES, "refresh")  # with compute copies: their refresh after an optimizer step
 # The config fields that decide a step's cost (a model's shape, not its weights).
 SHAPE_FIELDS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -133,8 +154,9 @@ def model_shape(config: Any) -> dict[str, Any]:
     return {f: getattr(config, f, None) for f in SHAPE_FIELDS}
 
 
-Timer = Callable[[Any, torch.dtype, str, StepShape], float]
-"""``timer(config, dtype, phase, step) -> seconds``: one probe run of ``phase`` (:data:`PHASES`)."""
+Timer = Callable[[Any, torch.dtype, str, StepShape, bool], float]
+"""``timer(config, dtype, phase, step, copies) -> seconds``: one probe run of ``phase`` (:data:`PHASES`,
+:data:`COPIES_PHASES` when ``copies``: a reduced ``dtype`` computed from compute copies)."""
 
 
 def choose_cpu_dtype(
@@ -145,9 +167,11 @@ def choose_cpu_dtype(
     step: StepShape | None = None,
     native: bool | None = None,
     timer: Timer | None = None,
+    copies: bool = False,
 ) -> PrecisionChoice:
     """Resolve ``param_dtype=auto`` on CPU for a model of transformers config ``config`` whose RL step
-    has the shape ``step`` (default :class:`StepShape`).
+    has the shape ``step`` (default :class:`StepShape`), its bf16 computed from compute copies when
+    ``copies`` (else under autocast; module docstring).
 
     ``native`` overrides :func:`cpu_has_native_bf16` and ``timer`` the probe runs (both for tests);
     ``threads`` is the run's torch thread count (part of the cache key).
@@ -159,6 +183,8 @@ def choose_cpu_dtype(
         )
     step = step or StepShape()
     key = {**cpu_identity(), "threads": threads, "shape": model_shape(config), "step": asdict(step)}
+    if copies:  # an autocast key stays as it was, so the choices cached before copies stay valid
+        key["bf16"] = "compute copies"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = Path(cache_dir).expanduser() / "precision" / f"{digest}.json"
     try:
@@ -173,7 +199,7 @@ def choose_cpu_dtype(
     # the same numbers), and its model must not outlive the measurement.
     with torch.random.fork_rng(devices=[]):
         try:
-            phases = phase_seconds(config, timer or probe_seconds, step)
+            phases = phase_seconds(config, timer or probe_seconds, step, copies)
         finally:
             _PROBES.clear()
     fp32, bf16 = (step_seconds(phases[dtype], step) for dtype in (torch.float32, torch.bfloat16))
@@ -184,7 +210,8 @@ def choose_cpu_dtype(
     choice = PrecisionChoice(
         dtype,
         f"measured on this CPU: a step of {step.prompts}x{step.n} samples of <= {step.prompt_tokens}+"
-        f"{step.response_tokens} tokens ~{fp32:.3g} CPU-s in float32, ~{bf16:.3g} in bf16 autocast "
+        f"{step.response_tokens} tokens ~{fp32:.3g} CPU-s in float32, ~{bf16:.3g} in bf16 "
+        f"{'compute copies' if copies else 'autocast'} "
         f"({speedup:.2f}x: decoding {decode32 / decode16:.2f}x, update {update32 / update16:.2f}x; "
         f"bf16 from {SPEEDUP_TO_SWITCH}x)",
         round(fp32, 6),
@@ -199,7 +226,8 @@ def choose_cpu_dtype(
 
 def step_seconds(phases: dict[str, float], step: StepShape) -> float:
     """The estimated seconds of one step of shape ``step`` from one dtype's full-depth phase times
-    (module docstring): decoding plus ``ppo_epochs`` updates."""
+    (module docstring): decoding plus ``ppo_epochs`` updates (each with its copies' refresh, when the
+    phases hold one)."""
     return _decode_seconds(phases, step) + _update_seconds(phases, step)
 
 
@@ -212,34 +240,39 @@ def _decode_seconds(phases: dict[str, float], step: StepShape) -> float:
 def _update_seconds(phases: dict[str, float], step: StepShape) -> float:
     # a group's prompt is forwarded once (share_prompt_forward), each response once
     tokens = step.prompts * step.prompt_tokens + step.rows * step.response_tokens
-    return step.ppo_epochs * phases["update"] * tokens / (PROBE_ROWS * PROBE_TOKENS)
+    update = phases["update"] * tokens / (PROBE_ROWS * PROBE_TOKENS)
+    return step.ppo_epochs * (update + phases.get("refresh", 0.0))
 
 
-def phase_seconds(config: Any, timer: Timer, step: StepShape) -> dict[torch.dtype, dict[str, float]]:
-    """Per dtype, the seconds of each probe phase (:data:`PHASES`) for the full-depth model,
-    extrapolated from the two probe depths (module docstring); the timings alternate the dtypes,
-    medians of :data:`PROBE_PAIRS`. Decoding samples like ``step`` (:meth:`StepShape.probe_prompts`)."""
+def phase_seconds(
+    config: Any, timer: Timer, step: StepShape, copies: bool = False
+) -> dict[torch.dtype, dict[str, float]]:
+    """Per dtype, the seconds of each probe phase (:data:`PHASES`; :data:`COPIES_PHASES`, bf16 from
+    compute copies, when ``copies``) for the full-depth model, extrapolated from the two probe depths
+    (module docstring); the timings alternate the dtypes, medians of :data:`PROBE_PAIRS`. Decoding
+    samples like ``step`` (:meth:`StepShape.probe_prompts`)."""
     text = getattr(config, "text_config", None) or config
     depth = int(text.num_hidden_layers)
     depths = sorted({min(d, depth) for d in PROBE_DEPTHS})
     dtypes = (torch.float32, torch.bfloat16)
+    phases = COPIES_PHASES if copies else PHASES
     medians: dict[tuple[torch.dtype, str, int], float] = {}
     for d in depths:
         probe = _with_depth(config, d)
-        for phase in PHASES:
+        for phase in phases:
             runs: dict[torch.dtype, list[float]] = {dtype: [] for dtype in dtypes}
             for dtype in runs:
-                timer(probe, dtype, phase, step)  # warm-up: allocations, oneDNN kernel selection
+                timer(probe, dtype, phase, step, copies)  # warm-up: allocations, oneDNN kernel selection
             for _ in range(PROBE_PAIRS):
                 for dtype in runs:
-                    runs[dtype].append(timer(probe, dtype, phase, step))
+                    runs[dtype].append(timer(probe, dtype, phase, step, copies))
             for dtype, times in runs.items():
                 medians[dtype, phase, d] = statistics.median(times)
     d1, d2 = depths[0], depths[-1]
     out: dict[torch.dtype, dict[str, float]] = {}
     for dtype in dtypes:
         out[dtype] = {}
-        for phase in PHASES:
+        for phase in phases:
             per_layer = (medians[dtype, phase, d2] - medians[dtype, phase, d1]) / max(d2 - d1, 1)
             out[dtype][phase] = max(medians[dtype, phase, d1] + (depth - d1) * per_layer, 1e-9)
     return out
@@ -254,42 +287,65 @@ def _with_depth(config: Any, depth: int) -> Any:
     return probe
 
 
-def probe_seconds(config: Any, dtype: torch.dtype, phase: str, step: StepShape) -> float:
+def probe_seconds(
+    config: Any, dtype: torch.dtype, phase: str, step: StepShape, copies: bool = False
+) -> float:
     """CPU seconds (the process's, every thread: what the run pays whatever else the machine runs)
-    of one probe run of ``phase`` on a random-weight model of ``config`` computing in ``dtype``
-    (autocast for bf16). ``"update"``: one forward + backward of ``PROBE_ROWS × PROBE_TOKENS`` random
-    tokens. ``"prefill"`` and ``"decode"``: the built-in engine sampling 1 and 1 + ``DECODE_TOKENS``
-    tokens, ``step.n`` samples of each of :meth:`StepShape.probe_prompts` random prompts of
-    ``step.prompt_tokens`` tokens (at most ``DECODE_PROMPT_MAX``; no EOS can end them). The model is
-    built once per config and kept for the next call (:func:`choose_cpu_dtype` drops it when done)."""
+    of one probe run of ``phase`` on a random-weight model of ``config`` computing in ``dtype``: for
+    bf16 under autocast, or from the model's bf16 compute copies (no autocast) when ``copies``.
+    ``"update"``: one forward + backward of ``PROBE_ROWS × PROBE_TOKENS`` random tokens.
+    ``"prefill"`` and ``"decode"``: the built-in engine sampling 1 and 1 + ``DECODE_TOKENS`` tokens,
+    ``step.n`` samples of each of :meth:`StepShape.probe_prompts` random prompts of
+    ``step.prompt_tokens`` tokens (at most ``DECODE_PROMPT_MAX``; no EOS can end them).
+    ``"refresh"``: the copies' refresh after an optimizer step (0 for float32, which holds none). The
+    model (and its copies, made at the first call that computes from them) is built once per config
+    and kept for the next call (:func:`choose_cpu_dtype` drops it when done)."""
     from transformers import AutoModelForCausalLM  # heavy; only a native-bf16 CPU gets here
 
     key = config.to_json_string()
     model = _PROBES.get(key)
     if model is None:
-        _PROBES.clear()  # one probe model at a time: memory stays one model's
+        _PROBES.clear()  # one probe model at a time: memory stays one model's (and its copies')
         torch.manual_seed(0)
-        model = _PROBES[key] = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # from a copy: from_config writes the dtype into the config it is given, which would change
+        # the key and build the model again at the next call
+        model = _PROBES[key] = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+    held = _copies(model, dtype) if copies and dtype != torch.float32 else None
+    if phase == "refresh":
+        if held is None:
+            return 0.0
+        start = time.process_time()
+        held.refresh()
+        return time.process_time() - start
     text = getattr(config, "text_config", None) or config
     generator = torch.Generator().manual_seed(0)
-    if phase == "update":
-        ids = torch.randint(0, text.vocab_size, (PROBE_ROWS, PROBE_TOKENS), generator=generator)
-        model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)  # the masters' gradients, when the copies are swapped in below
+    # the copies in the modules' slots for the pass, as the run's update and hybrid engine have them
+    with held.active() if held is not None else contextlib.nullcontext():
+        if phase == "update":
+            ids = torch.randint(0, text.vocab_size, (PROBE_ROWS, PROBE_TOKENS), generator=generator)
+            start = time.process_time()
+            with autocast("cpu", dtype if held is None else None):  # copies compute bf16 as they are
+                logits = model(input_ids=ids).logits
+            loss = -logits.float().log_softmax(-1).mean()
+            loss.backward()
+            return time.process_time() - start
+        engine = HFRollout(
+            model, eos_token_ids=[text.vocab_size], pad_token_id=0, compute_dtype=dtype, cuda_graphs=False
+        )
+        shape = (step.probe_prompts(), min(step.prompt_tokens, DECODE_PROMPT_MAX))
+        prompts = torch.randint(1, text.vocab_size, shape, generator=generator).tolist()
+        tokens = 1 if phase == "prefill" else 1 + DECODE_TOKENS
         start = time.process_time()
-        with autocast("cpu", dtype):
-            logits = model(input_ids=ids).logits
-        loss = -logits.float().log_softmax(-1).mean()
-        loss.backward()
+        engine.generate(prompts, n=step.n, max_new_tokens=tokens, keys=list(range(len(prompts))))
         return time.process_time() - start
-    engine = HFRollout(
-        model, eos_token_ids=[text.vocab_size], pad_token_id=0, compute_dtype=dtype, cuda_graphs=False
-    )
-    shape = (step.probe_prompts(), min(step.prompt_tokens, DECODE_PROMPT_MAX))
-    prompts = torch.randint(1, text.vocab_size, shape, generator=generator).tolist()
-    tokens = 1 if phase == "prefill" else 1 + DECODE_TOKENS
-    start = time.process_time()
-    engine.generate(prompts, n=step.n, max_new_tokens=tokens, keys=list(range(len(prompts))))
-    return time.process_time() - start
+
+
+def _copies(model: torch.nn.Module, dtype: torch.dtype) -> ComputeCopies:
+    """``model``'s compute copies in ``dtype``, attached at the first call (the run's, made by
+    :func:`~tearless.models.copies.attach`: bf16 parameters, float32 buffers and gradients)."""
+    held = getattr(model, "tearless_copies", None)
+    return held if held is not None else attach(model, dtype)
 
 
 _PROBES: dict[str, torch.nn.Module] = {}
@@ -300,7 +356,13 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
     model) resolved, before any rank is built: bfloat16 on GPU; on CPU the measured choice of
     :func:`choose_cpu_dtype` for the role's model (its weights from the plan's ``files``) and this
     run's step (its batch, prompt and response lengths), once per model. One line per choice; the
-    config keeps its ``auto``."""
+    config keeps its ``auto``.
+
+    Roles reading one model share one choice, so one probe: its bf16 is timed from compute copies when
+    the group's first built role (the actor, where it is in the group) would hold them were bf16
+    chosen: its ``fsdp_config.compute_copies`` (:meth:`Sections.compute_copies`) in a run of one
+    process (a sharded model computes under autocast). :meth:`RunPlan.holds_copies` cannot answer it:
+    it reads the dtype being chosen here."""
     f = plan.files
     paths = {"actor": f.model_path, "ref": f.model_path, "teacher": f.teacher_path}
     paths["critic"] = f.critic_path or f.model_path
@@ -321,6 +383,7 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
         else:
             from transformers import AutoConfig  # only a pretrained model's run resolves auto
 
+            copies = plan.sections.compute_copies(roles[0]) and world_size(cfg) == 1
             choice = choose_cpu_dtype(
                 AutoConfig.from_pretrained(path),
                 cache_dir=default_cache_dir(),
@@ -332,6 +395,7 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
                     response_tokens=plan.response_length,
                     ppo_epochs=cfg.actor_rollout_ref.actor.ppo_epochs,
                 ),
+                copies=copies,
             )
         choices.update(dict.fromkeys(roles, choice.dtype))
         log(choice.line(", ".join(sections[role] for role in roles)))

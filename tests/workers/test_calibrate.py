@@ -1,4 +1,5 @@
-"""``param_dtype=auto``: the measured choice between float32 and bf16 autocast (workers/calibrate.py)."""
+"""``param_dtype=auto``: the measured choice between float32 and bf16, under autocast or from compute
+copies (workers/calibrate.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from tearless.config import load_config
+from tearless.config.plan import RunFiles, build_plan
 from tearless.models.precision import compute_dtype
+from tearless.workers import calibrate
 from tearless.workers.calibrate import (
     _PROBES,
+    COPIES_PHASES,
     PHASES,
     PROBE_DEPTHS,
     PROBE_PAIRS,
     SPEEDUP_TO_SWITCH,
+    PrecisionChoice,
     StepShape,
     choose_cpu_dtype,
     phase_seconds,
     probe_seconds,
+    resolve_auto,
     step_seconds,
 )
 
@@ -36,7 +43,7 @@ def linear_timer(fp32: tuple[float, float], bf16: tuple[float, float], decode: f
     phase ``decode`` times the others; records the calls."""
     calls = []
 
-    def timer(config, dtype, phase, step):
+    def timer(config, dtype, phase, step, copies=False):
         calls.append((config.num_hidden_layers, dtype, phase))
         head, layer = fp32 if dtype == torch.float32 else bf16
         return (head + config.num_hidden_layers * layer) * (decode if phase == "decode" else 1.0)
@@ -44,7 +51,7 @@ def linear_timer(fp32: tuple[float, float], bf16: tuple[float, float], decode: f
     return timer, calls
 
 
-def refuse(config, dtype, phase, step):
+def refuse(config, dtype, phase, step, copies=False):
     raise AssertionError("the probe ran although nothing needed measuring")
 
 
@@ -120,7 +127,7 @@ def test_measured_choice_is_cached_per_machine_model_and_step(tmp_path):
 def test_a_faster_update_does_not_outweigh_slower_decoding(tmp_path):
     # Issue 47's CPU: the update gains in bf16, decoding loses, and decoding is most of the step.
     # Update/prefill phases 1.2x faster in bf16, the decode phase 2x slower than fp32's: the step loses.
-    def timer(config, dtype, phase, step):
+    def timer(config, dtype, phase, step, copies=False):
         base = 1.0 + 0.1 * config.num_hidden_layers
         if phase == "decode":
             return base * (3.0 if dtype == torch.float32 else 6.0)
@@ -177,6 +184,141 @@ def test_the_real_probe_times_an_update_and_decoding(tmp_path):
     fp32, bf16 = choice.float32_s, choice.bfloat16_s
     assert math.isfinite(fp32) and math.isfinite(bf16) and fp32 > 0 and bf16 > 0
     assert choice.dtype == ("bfloat16" if fp32 / bf16 >= SPEEDUP_TO_SWITCH else "float32")
+
+
+def copies_timer():
+    """:func:`linear_timer`'s (2 + 0.5 L, 1.5 + 0.25 L) for every phase, with the refresh of compute copies:
+    bf16's like the others, float32's 0 (it holds none, as the real probe); records (dtype, phase, copies)."""
+    calls = []
+    linear, _ = linear_timer((2.0, 0.5), (1.5, 0.25))
+
+    def timer(config, dtype, phase, step, copies=False):
+        calls.append((dtype, phase, copies))
+        if phase == "refresh" and dtype == torch.float32:
+            return 0.0
+        return linear(config, dtype, phase, step)
+
+    return timer, calls
+
+
+def test_copies_time_bf16_from_compute_copies_with_their_refresh(tmp_path):
+    # At L = 30 every phase is 17 s in float32 and 9 in bf16; the refresh 0 and 9. The default step
+    # (8 prompts x 8 samples, 128 + 128 tokens, 1 epoch) decodes in one round with no per-token cost
+    # (decode = prefill), and its update is (8·128 + 64·128) / 256 = 36 probe updates:
+    # float32 17 + 36·17 = 629; bf16 9 + 36·9 + 1 refresh of 9 = 342 (autocast would be 333).
+    timer, calls = copies_timer()
+    choice = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=timer, copies=True)
+    assert choice.float32_s == pytest.approx(629, rel=1e-9)
+    assert choice.bfloat16_s == pytest.approx(342, rel=1e-9)
+    assert choice.dtype == "bfloat16"
+    # per depth: one warm-up and PROBE_PAIRS runs of each dtype for each phase, the refresh included
+    assert len(calls) == len(PROBE_DEPTHS) * len(COPIES_PHASES) * 2 * (1 + PROBE_PAIRS)
+    assert {phase for _, phase, _ in calls} == {*PHASES, "refresh"}
+    assert all(copies for _, _, copies in calls)
+    line = choice.line("actor_rollout_ref.actor")
+    # 629 / 342 = 1.84, decoding 17 / 9 = 1.89, update 612 / 333 = 1.84
+    assert "~629 CPU-s in float32, ~342 in bf16 compute copies (1.84x: decoding 1.89x, update 1.84x" in line
+    assert "autocast" not in line
+    # without copies: the three phases only, no copies asked for, and the line says autocast
+    timer, calls = copies_timer()
+    autocast = choose_cpu_dtype(llama(), cache_dir=tmp_path / "a", threads=1, native=True, timer=timer)
+    assert autocast.bfloat16_s == pytest.approx(333, rel=1e-9)
+    assert {phase for _, phase, _ in calls} == set(PHASES) and not any(c for _, _, c in calls)
+    assert "in bf16 autocast (" in autocast.reason
+
+
+def test_the_cache_keeps_autocast_and_copies_choices_apart(tmp_path):
+    # bf16 autocast 1.89x faster; bf16 from copies slower than float32 (every phase 17.3 s against 17)
+    fast, _ = linear_timer((2.0, 0.5), (1.5, 0.25))
+    slow, calls = linear_timer((2.0, 0.5), (2.0, 0.51))
+    assert (
+        choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=fast).dtype == "bfloat16"
+    )
+    measured = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=slow, copies=True)
+    assert calls and measured.dtype == "float32"  # measured, not the autocast choice read back
+    assert len(list((tmp_path / "precision").glob("*.json"))) == 2
+    autocast = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=refuse)
+    copies = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=refuse, copies=True)
+    assert (autocast.dtype, copies.dtype) == ("bfloat16", "float32")
+    assert "bf16 autocast" in autocast.reason and "bf16 compute copies" in copies.reason
+    assert "; cached in " in autocast.reason and "; cached in " in copies.reason
+    assert autocast.reason.split("; cached in ")[1] != copies.reason.split("; cached in ")[1]
+
+
+def test_the_real_probe_computes_bf16_from_copies_without_autocast():
+    """The probe on a real (tiny) Llama in copies mode: the bf16 update's forward sees bf16 parameters
+    (buffers float32) and no autocast, its gradients land on the float32 masters, the refresh recasts
+    them; float32 computes from the masters; without copies bf16 runs under autocast."""
+    config, step = llama(1), StepShape(prompts=1, n=2, prompt_tokens=4, response_tokens=4)
+    _PROBES.clear()
+    try:
+        assert probe_seconds(config, torch.float32, "update", step, True) > 0
+        (model,) = _PROBES.values()
+        assert not hasattr(model, "tearless_copies")  # float32 made no copies
+        seen = []
+
+        def look(module, args, output):
+            params = {p.dtype for p in module.parameters()}
+            seen.append((params, torch.is_autocast_enabled("cpu")))
+
+        model.register_forward_hook(look)
+        assert probe_seconds(config, torch.bfloat16, "update", step, True) > 0
+        assert list(_PROBES.values()) == [model]  # built once, reused
+        assert seen[-1] == ({torch.bfloat16}, False)
+        assert {b.dtype for b in model.buffers()} == {torch.float32}  # rotary's inv_freq as it was
+        copies = model.tearless_copies
+        assert all(c.grad is None for c in copies.copies)  # folded into the masters
+        assert all(m.dtype == torch.float32 and m.grad.dtype == torch.float32 for m in copies.masters)
+        assert probe_seconds(config, torch.float32, "update", step, True) > 0
+        assert seen[-1] == ({torch.float32}, False)  # the masters, the copies swapped out
+        with torch.no_grad():
+            for m in copies.masters:
+                m.add_(1.0)
+        assert probe_seconds(config, torch.bfloat16, "refresh", step, True) >= 0
+        assert all(
+            torch.equal(c, m.to(torch.bfloat16)) for c, m in zip(copies.copies, copies.masters, strict=True)
+        )
+        assert probe_seconds(config, torch.float32, "refresh", step, True) == 0.0  # holds no copies
+        assert probe_seconds(config, torch.bfloat16, "prefill", step, True) > 0
+        assert seen[-1][0] == {torch.bfloat16}  # decoding from the copies
+        _PROBES.clear()
+        probe_seconds(config, torch.float32, "update", step)
+        (plain,) = _PROBES.values()
+        plain.register_forward_hook(look)
+        probe_seconds(config, torch.bfloat16, "update", step)
+        assert seen[-1] == ({torch.float32}, True) and not hasattr(plain, "tearless_copies")
+    finally:
+        _PROBES.clear()
+
+
+def test_resolve_auto_times_copies_when_the_actor_would_hold_them(tmp_path, monkeypatch):
+    llama(2).save_pretrained(tmp_path)
+    asked = []
+
+    def choose(config, **kwargs):
+        asked.append(kwargs["copies"])
+        return PrecisionChoice("bfloat16", "measured")
+
+    monkeypatch.setattr(calibrate, "choose_cpu_dtype", choose)
+
+    def resolve(*overrides):
+        cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_dtype=auto", *overrides])
+        files = RunFiles(str(tmp_path), None, None, None, None)
+        return resolve_auto(cfg, build_plan(cfg, files), gpu=False, log=lambda _: None)
+
+    plan = resolve("actor_rollout_ref.actor.fsdp_config.compute_copies=true")
+    assert asked == [True] and plan.param_dtype("actor") == "bfloat16"
+    resolve()
+    assert asked == [True, False]
+    # actor and reference share the model: the actor's key decides, not the reference's own
+    kl = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.fsdp_config.param_dtype=auto")
+    resolve(*kl, "actor_rollout_ref.ref.fsdp_config.compute_copies=true")
+    assert asked == [True, False, False]
+    resolve(*kl, "actor_rollout_ref.actor.fsdp_config.compute_copies=true")
+    assert asked == [True, False, False, True]
+    # two worker processes: the model is sharded and computes under autocast whatever the key says
+    resolve("actor_rollout_ref.actor.fsdp_config.compute_copies=true", "trainer.n_gpus_per_node=2")
+    assert asked == [True, False, False, True, False]
 
 
 def test_unresolved_auto_is_the_default_dtype():
