@@ -195,11 +195,12 @@ class Sections:
 
     def compute_copies(self, role: str) -> bool:
         """Whether ``role``'s model holds its weights in its reduced compute dtype
-        (``fsdp_config.compute_copies``: the actor's, the reference's and the teacher's own, unset =
-        the actor's for those two; never the critic's)."""
-        return self._own_or_actors(
-            role, self.fsdp(role).compute_copies, self.actor.fsdp_config.compute_copies
-        )
+        (``fsdp_config.compute_copies``: each role's own, unset = the actor's for the reference and
+        the teacher, false for the critic, a model of its own precision)."""
+        own = self.fsdp(role).compute_copies
+        if role == "critic":
+            return bool(own)
+        return self._own_or_actors(role, own, self.actor.fsdp_config.compute_copies)
 
     def compiles(self, role: str) -> bool:
         """Whether ``role``'s decoder layers run compiled in its passes (``use_torch_compile``: the

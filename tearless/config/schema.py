@@ -179,8 +179,9 @@ class FSDPConfig:
         "computes from bf16 copies cast once per optimizer step (float32 master weights, gradients, "
         "optimizer state and checkpoints; +2 bytes per parameter), a frozen role (reference, teacher) "
         "holds its parameters in bf16 (-2 bytes per parameter); the whole forward then runs in bf16 "
-        "(the residual stream too, as FSDP2 mixed precision); logits and losses stay float32. null = "
-        "false for the actor, the actor's setting for the reference and the teacher. Sharded models use "
+        "(the residual stream too, as FSDP2 mixed precision); logits, values and losses stay float32. null "
+        "= false for the actor and the critic, the actor's setting for the reference and the teacher. A "
+        "LoRA actor whose engine samples in bf16 holds its frozen base in bf16 only. Sharded models use "
         "FSDP2's mixed precision (GPU) or autocast (CPU) either way",
     )
 

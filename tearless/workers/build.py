@@ -74,7 +74,8 @@ class ModelBuilder:
         if self.mesh is not None or not self.spec.plan.holds_copies(role, self.device.type):
             set_compute_dtype(model, dtype)
         elif any(p.requires_grad for p in model.parameters()):
-            attach(model, dtype, hold_frozen=self.spec.plan.holds_base_in_copies(self.device.type))
+            held = role == "actor" and self.spec.plan.holds_base_in_copies(self.device.type)
+            attach(model, dtype, hold_frozen=held)
         else:
             hold_in(model, dtype)
 

@@ -13,6 +13,7 @@ from tensordict import TensorDict
 
 from tearless.algos import value_loss
 from tearless.config.schema import CriticConfig
+from tearless.models.copies import refresh_after
 from tearless.models.value import response_values
 from tearless.workers.optim import make_optimizer
 from tearless.workers.schedule import UpdateFlags, UpdateSettings, attention_mask
@@ -45,6 +46,7 @@ class Critic:
         self.settings = settings
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = make_optimizer(self.params, resolved.optim, total_steps)
+        refresh_after(self.optimizer, model)  # compute copies, where the model has them
         self.skipped_steps = 0
 
     def values(self, mb: TensorDict) -> torch.Tensor:

@@ -367,7 +367,7 @@ class Rank:
         critic.model.eval()
         outs = []
         try:
-            with self._forward_mode(critic.model):
+            with self._forward_mode(critic.model), copies_for(critic.model):
                 for mb in pad_micro_batches(chunks, num_micro):
                     outs.append(critic.values(mb).cpu() * mb["response_mask"])
         finally:

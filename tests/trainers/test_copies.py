@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tearless import train
 from tearless.models import precision
 from tearless.run.tracking import read_metrics
-from tearless.workers import build
+from tearless.workers import build, critic
 from tests.trainers.test_resume import comparable
 
 pytestmark = pytest.mark.slow
@@ -25,13 +25,21 @@ pytestmark = pytest.mark.slow
 ARR = "actor_rollout_ref"
 
 
-LORA = [f"{ARR}.model.lora_rank=4", f"{ARR}.actor.optim.lr=2e-3", f"{ARR}.model.lora_save_merged=true"]
+KINDS = {
+    "full": [],
+    "lora": [f"{ARR}.model.lora_rank=4", f"{ARR}.actor.optim.lr=2e-3", f"{ARR}.model.lora_save_merged=true"],
+    "critic": [  # PPO: the critic by its own keys
+        "algorithm.adv_estimator=gae",
+        "critic.model.fsdp_config.param_dtype=bfloat16",
+        "critic.model.fsdp_config.compute_copies=true",
+    ],
+}
 
 
 def run_args(overrides, run_dir, kind):
     return overrides(
         run_dir,
-        *(LORA if kind == "lora" else []),
+        *KINDS[kind],
         f"{ARR}.actor.fsdp_config.param_dtype=bfloat16",
         f"{ARR}.ref.fsdp_config.param_dtype=bfloat16",
         f"{ARR}.actor.fsdp_config.compute_copies=true",  # the reference follows the actor's setting
@@ -46,7 +54,7 @@ def run_args(overrides, run_dir, kind):
     )
 
 
-@pytest.fixture(scope="module", params=["full", "lora"])
+@pytest.fixture(scope="module", params=list(KINDS))
 def runs(request, overrides, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(f"copies-{kind}")
@@ -63,6 +71,14 @@ def runs(request, overrides, tmp_path_factory):
                 return out
 
             mp.setattr(build, name, counted)
+        values = critic.response_values
+
+        def seen_values(model, *args, **kw):  # what each critic pass computes from
+            passes.add((torch.is_grad_enabled(), *sorted({str(p.dtype) for p in model.parameters()})))
+            return values(model, *args, **kw)
+
+        passes: set[tuple] = set()
+        mp.setattr(critic, "response_values", seen_values)
         full = root / "full"
         train(None, run_args(overrides, full, kind), log=lambda _: None)
         resumed = root / "resumed"
@@ -70,15 +86,19 @@ def runs(request, overrides, tmp_path_factory):
         shutil.rmtree(resumed / "global_step_2")
         (resumed / "latest_checkpointed_iteration.txt").write_text("1")
         summary = train(None, run_args(overrides, resumed, kind), log=lambda _: None)
-    return dict(kind=kind, full=full, resumed=resumed, summary=summary, made=made)
+    return dict(kind=kind, full=full, resumed=resumed, summary=summary, made=made, passes=passes)
 
 
 def test_the_actor_has_copies_and_the_reference_is_held_in_bf16(runs):
     f32, bf16 = torch.float32, torch.bfloat16
-    if runs["kind"] == "full":
+    if runs["kind"] != "lora":
         # Two runs, each: copies for the trained actor (float32 masters), its parameters in bf16 for
-        # the frozen reference.
+        # the frozen reference; PPO: copies for the critic too.
         made = [("attach", bf16, False), [(f32, True)], ("hold_in", bf16)]
+        if runs["kind"] == "critic":
+            made = [*made, ("attach", bf16, False), [(f32, True)]]
+            # The critic's values for GAE (no grad) and its update (grad) both from the copies.
+            assert runs["passes"] == {(False, "torch.bfloat16"), (True, "torch.bfloat16")}
     else:
         # LoRA: the base held in bf16 (the hybrid engine samples in bf16), float32 adapter masters;
         # the reference is the adapters-off actor, no model of its own.
@@ -100,14 +120,16 @@ def test_checkpoints_hold_float32_masters_and_every_parameters_optimizer_state(r
         assert all(merged[k].equal(held[k]) for k in merged if "proj" not in k)
         assert [k for k in merged if "proj" in k and not merged[k].equal(held[k])]
         return
-    weights = load_file(step / "actor" / "model.safetensors")
-    assert {t.dtype for t in weights.values()} == {torch.float32}
-    # Float32 masters, moved by small AdamW steps: values a bf16 tensor could not hold.
-    moved = [k for k in weights if not weights[k].equal(start[k])]
-    assert moved
-    assert any(not weights[k].equal(weights[k].to(torch.bfloat16).float()) for k in moved)
-    index = json.loads((runs["full"] / "global_step_2" / "optim" / "actor" / "index.json").read_text())
-    assert index["params"] and all(p["keys"] == ["exp_avg", "exp_avg_sq"] for p in index["params"].values())
+    for role in ("actor", "critic") if runs["kind"] == "critic" else ("actor",):
+        weights = load_file(step / role / "model.safetensors")
+        assert {t.dtype for t in weights.values()} == {torch.float32}
+        # Float32 masters, moved by small AdamW steps: values a bf16 tensor could not hold.
+        moved = [k for k in weights if k in start and not weights[k].equal(start[k])]
+        assert moved
+        assert any(not weights[k].equal(weights[k].to(torch.bfloat16).float()) for k in moved)
+        index = json.loads((step / "optim" / role / "index.json").read_text())
+        assert index["params"]
+        assert all(p["keys"] == ["exp_avg", "exp_avg_sq"] for p in index["params"].values())
 
 
 def test_a_run_resumed_from_step_1_lands_on_step_2_bit_for_bit(runs):
@@ -116,7 +138,8 @@ def test_a_run_resumed_from_step_1_lands_on_step_2_bit_for_bit(runs):
     b = {r["step"]: comparable(r) for r in read_metrics(runs["resumed"] / "metrics.jsonl")}
     assert b[2] == a[2]
     name = "adapter_model.safetensors" if runs["kind"] == "lora" else "model.safetensors"
-    wa = load_file(runs["full"] / "global_step_2" / "actor" / name)
-    wb = load_file(runs["resumed"] / "global_step_2" / "actor" / name)
-    assert wa
-    assert [k for k in wa if not wa[k].equal(wb[k])] == []
+    for role in ("actor", "critic") if runs["kind"] == "critic" else ("actor",):
+        wa = load_file(runs["full"] / "global_step_2" / role / name)
+        wb = load_file(runs["resumed"] / "global_step_2" / role / name)
+        assert wa
+        assert [k for k in wa if not wa[k].equal(wb[k])] == []
