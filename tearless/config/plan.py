@@ -68,6 +68,7 @@ from tearless.devices import device_defaults
 from tearless.models.hub import local_model_path
 from tearless.models.loading import check_model_dir, resolve_dtype
 from tearless.models.precision import compute_dtype
+from tearless.models.vision import vision_model_type
 from tearless.rollout.engine import Capabilities, engine_capabilities
 
 ROLES = ("actor", "ref", "teacher", "critic")
@@ -308,12 +309,23 @@ class RunPlan:
     def eager_despite_compile(self, world: int) -> str | None:
         """The line to print when ``actor.use_torch_compile`` is on but the actor's passes all carry a
         KV cache, which runs eager (:mod:`tearless.models.compiled`): the shared-prompt padded pass
-        of a single process (``share_prompt_forward`` without ``use_remove_padding`` or activation
-        checkpointing, which takes the plain pass for the update); else None."""
+        of a single process (``share_prompt_forward`` without activation checkpointing, which takes
+        the plain pass for the update, and without ``use_remove_padding``, which a vision-language
+        batch never takes: it is never packed); else None."""
         m = self.sections.model
-        cached = m.share_prompt_forward and not (m.use_remove_padding or m.enable_gradient_checkpointing)
+        vision = self.files is not None and vision_model_type(self.files.model_path) is not None
+        packed = m.use_remove_padding and not vision
+        cached = m.share_prompt_forward and not (packed or m.enable_gradient_checkpointing)
         if not (self.sections.actor.use_torch_compile and cached and world == 1):
             return None
+        if vision:
+            return (
+                "actor_rollout_ref.actor.use_torch_compile=true compiles nothing in this run: a "
+                "vision-language batch is never packed, and the shared-prompt pass "
+                "(model.share_prompt_forward=true) forwards through a KV cache, which runs eager; set "
+                "actor_rollout_ref.model.share_prompt_forward=false to compile the update and the "
+                "log-prob passes"
+            )
         return (
             "actor_rollout_ref.actor.use_torch_compile=true compiles nothing in this run: the shared-prompt "
             "pass (model.share_prompt_forward=true, model.use_remove_padding=false) forwards through a KV "

@@ -56,6 +56,31 @@ def test_a_run_whose_passes_all_run_eager_is_told_so_at_start(keys, world, told)
 
 
 @pytest.mark.parametrize(
+    ("keys", "told"),
+    [
+        ((), True),
+        (("actor_rollout_ref.model.use_remove_padding=true",), True),  # a vision-language batch is not packed
+        (("actor_rollout_ref.model.share_prompt_forward=false",), False),
+    ],
+)
+def test_a_vision_language_run_whose_passes_all_run_eager_is_told_so_at_start(keys, told, tmp_path):
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    from tearless.config import load_config
+    from tearless.config.plan import build_plan
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "idefics3", "vision_config": {}}))
+    cfg = load_config(None, ["actor_rollout_ref.actor.use_torch_compile=true", *keys], device="cpu")
+    plan = dataclasses.replace(build_plan(cfg), files=SimpleNamespace(model_path=str(tmp_path)))
+    note = plan.eager_despite_compile(1)
+    assert (note is not None) == told
+    if told:
+        assert "vision-language" in note and "share_prompt_forward=false" in note
+
+
+@pytest.mark.parametrize(
     ("keys", "compiled"),
     [
         ((), set()),
