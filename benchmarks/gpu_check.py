@@ -471,6 +471,24 @@ def real_scale_checks(task, device: str, args) -> dict[str, Callable[[], None]]:
     return checks
 
 
+def fit_checks(task, device: str, args) -> dict[str, Callable[[], None]]:
+    """The fit tier's checks (``gpu_scale.FITS``): the largest models per card, 2 training steps each
+    (rollout, then update), peak memory beside the start-up estimate."""
+    import gpu_scale
+
+    rows, prompt, response = (16, 8, 16) if device == "cpu" else (args.sequences, args.prompt, args.response)
+    checks: dict[str, Callable[[], None]] = {}
+    for name in gpu_scale.FITS:
+
+        @check(f"fit_{name}")
+        def fit(name=name) -> dict:
+            numbers = gpu_scale.fit(task, name, device, rows, prompt, response)
+            return {**numbers, "ok": numbers["finite"]}
+
+        checks[f"fit_{name}"] = fit
+    return checks
+
+
 # ---------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -479,12 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"), help="write gpu_check.json here")
     parser.add_argument("--only", nargs="*", default=None, help="run only these checks")
     parser.add_argument(
-        "--tier", choices=("basic", "real"), default="basic", help="real: gpu_scale.py's checks"
-    )
+        "--tier", choices=("basic", "real", "fit"), default="basic",
+        help="real: gpu_scale.py's update and decode checks; fit: its largest models per card",
+    )  # fmt: skip
     parser.add_argument("--shapes", default="0.5b,1.5b", help="real tier: Qwen2.5 shapes (0.5b, 1.5b)")
-    parser.add_argument("--sequences", type=int, default=128, help="real tier: rows (64-256)")
-    parser.add_argument("--prompt", type=int, default=128, help="real tier: prompt tokens")
-    parser.add_argument("--response", type=int, default=1024, help="real tier: response tokens")
+    parser.add_argument("--sequences", type=int, default=128, help="real and fit tiers: rows (64-256)")
+    parser.add_argument("--prompt", type=int, default=128, help="real and fit tiers: prompt tokens")
+    parser.add_argument("--response", type=int, default=1024, help="real and fit tiers: response tokens")
     args = parser.parse_args(argv)
     dry = args.dry_run or not torch.cuda.is_available()
     device = "cpu" if dry else "cuda"
@@ -499,9 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     spec = TaskSpec(num_train=400, num_val=100, warmup_steps=20 if dry else 300)
     task = prepare_task(spec, os.environ.get("TEARLESS_CACHE", str(work / "cache")), log=lambda _: None)
+    tiers = {"real": real_scale_checks, "fit": fit_checks}
     checks = (
-        real_scale_checks(task, device, args)
-        if args.tier == "real"
+        tiers[args.tier](task, device, args)
+        if args.tier in tiers
         else {
             "grpo_fp32_resume": lambda: grpo_fp32_resume(task, work, device, steps),
             "grpo_bf16_packed": lambda: grpo_bf16_packed(task, work, device, steps),

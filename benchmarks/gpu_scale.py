@@ -20,6 +20,11 @@ memory are those of the real weights). For each shape:
   × ``response`` new tokens: tokens/s, its share of the memory-bandwidth limit, and HF ``generate``
   over the same prompts (what TRL samples with when it has no vLLM).
 
+The fit tier (``gpu_check.py --tier fit``, :data:`FITS`): the largest models per card, 1.5B full and 7B
+LoRA (with and without compute copies), activation checkpointing on, 2 training steps each (the
+engine's rollout, then the update): the peak of each phase and the bytes the model holds beside the
+start-up estimate (:func:`fit`).
+
 MFU counts the model's matmul FLOPs of the forward and backward (:func:`update_flops`) over the card's
 dense bf16 peak (:data:`CARDS`). The decode limit is the bytes one step must read (bf16 weights and the
 bf16 KV cache of every sequence) over the card's HBM bandwidth (:func:`decode_limit`).
@@ -30,15 +35,18 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from unittest import mock
 
 import torch
 
-# Qwen2.5's architectures (config.json of Qwen/Qwen2.5-0.5B and -1.5B), and a tiny one for dry runs.
+# Qwen2.5's architectures (config.json of Qwen/Qwen2.5-0.5B, -1.5B and -7B), and a tiny one for dry runs.
 SHAPES: dict[str, dict] = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
     "dry": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=1024, tie_word_embeddings=True),
 }  # fmt: skip
@@ -139,28 +147,16 @@ VARIANTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def update(
-    task, shape: str, device: str, sequences: int, prompt: int, response: int, repeats: int,
-    variant: str = "",
-) -> dict:  # fmt: skip
-    """The ``update_<shape><variant>`` check's numbers (see the module docstring; :data:`VARIANTS`)."""
+def _workers(task, model: torch.nn.Module, device: str, keys: list[str], prompt: int, response: int):
+    """The in-process worker group training ``model`` as the actor under the config ``keys``, the
+    micro-batch token budget the largest power of two ≤ 16,384 whose start-up estimate fits 85% of
+    the card; (workers, that estimate, the budget)."""
     from tearless.config import load_config
     from tearless.config.memory import run_estimate
     from tearless.models.loading import load_tokenizer
-    from tearless.models.memory import GIB
     from tearless.workers.placement import make_workers
     from tearless.workers.spec import RankSpec
 
-    n = 8
-    model = qwen2(shape, device)
-    keys = [
-        f"data.max_prompt_length={prompt}", f"data.max_response_length={response}",
-        f"data.train_batch_size={sequences // n}", f"actor_rollout_ref.rollout.n={n}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={sequences // n}",
-        "actor_rollout_ref.actor.use_kl_loss=false", "trainer.keep_freed_memory=false",
-        "actor_rollout_ref.actor.optim.lr=1e-6", "reward_model.num_workers=0",
-    ]  # fmt: skip
-    keys += VARIANTS[variant]
     total = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
     budget = 16384 if device == "cuda" else 2 * (prompt + response)
     while True:
@@ -173,7 +169,31 @@ def update(
             break
         budget //= 2
     spec = RankSpec(cfg, ("actor",), False, str(task.model_dir), 10**6, device, models={"actor": model})
-    workers = make_workers(spec, load_tokenizer(task.model_dir).pad_token_id)
+    return make_workers(spec, load_tokenizer(task.model_dir).pad_token_id), est, budget
+
+
+def _keys(sequences: int, n: int, prompt: int, response: int) -> list[str]:
+    return [
+        f"data.max_prompt_length={prompt}", f"data.max_response_length={response}",
+        f"data.train_batch_size={sequences // n}", f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={sequences // n}",
+        "actor_rollout_ref.actor.use_kl_loss=false", "trainer.keep_freed_memory=false",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "reward_model.num_workers=0",
+    ]  # fmt: skip
+
+
+def update(
+    task, shape: str, device: str, sequences: int, prompt: int, response: int, repeats: int,
+    variant: str = "",
+) -> dict:  # fmt: skip
+    """The ``update_<shape><variant>`` check's numbers (see the module docstring; :data:`VARIANTS`)."""
+    from tearless.models.memory import GIB
+
+    n = 8
+    model = qwen2(shape, device)
+    workers, est, budget = _workers(
+        task, model, device, [*_keys(sequences, n, prompt, response), *VARIANTS[variant]], prompt, response
+    )
     td = _batch(model.config.vocab_size, prompt, response, sequences, n)
     times = []
     try:
@@ -202,6 +222,99 @@ def update(
         "peak_gib": round(peak, 2),
         "estimate_gib": round(est.peak / GIB, 2),
         "finite": math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"]),
+    }
+
+
+# The largest models per card (``fit_<name>``): (shape, LoRA rank (0: full fine-tuning), extra keys).
+# Activation checkpointing on in each; the 7B LoRA model once with the device defaults (autocast over
+# its float32 base) and once with compute copies (its frozen base held in bf16).
+FITS: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    "1.5b": ("1.5b", 0, ()),
+    "7b_lora": ("7b", 32, ()),
+    "7b_lora_copies": ("7b", 32, (f"{ARR}.actor.fsdp_config.compute_copies=true",)),
+}
+
+
+def fit(task, name: str, device: str, sequences: int, prompt: int, response: int, steps: int = 2) -> dict:
+    """The ``fit_<name>`` check (:data:`FITS`; ``dry`` shapes on CPU): ``steps`` training steps of the
+    model, each the built-in engine sampling ``sequences`` responses of ``response`` tokens (as the
+    hybrid rank samples: from the model's compute copies when it has them, in bf16 on CUDA) then the
+    actor's update over them; peak memory of each phase beside the start-up estimate's parts."""
+    from tearless.models import precision
+
+    shape, rank, extra = FITS[name]
+    if device == "cpu" and extra:  # the dry run computes in bf16 too (emulated here: tiny shapes only)
+        with mock.patch.object(precision, "cpu_has_native_bf16", return_value=True):
+            keys = (*extra, f"{ARR}.actor.fsdp_config.param_dtype=bfloat16")
+            return _fit(task, "dry", rank, keys, device, sequences, prompt, response, steps)
+    return _fit(
+        task, shape if device == "cuda" else "dry", rank, extra, device, sequences, prompt, response, steps
+    )
+
+
+def _fit(
+    task, shape: str, rank: int, extra: tuple[str, ...], device: str, sequences: int, prompt: int,
+    response: int, steps: int,
+) -> dict:  # fmt: skip
+    from tearless.models.copies import copies_for
+    from tearless.models.loading import enable_activation_checkpointing
+    from tearless.models.lora import add_lora
+    from tearless.models.memory import GIB
+    from tearless.rollout.hf import HFRollout
+
+    cuda, n = device == "cuda", 8
+    model = qwen2(shape, device)
+    if rank:
+        model = add_lora(
+            model, rank=rank, alpha=2 * rank, target_modules="all-linear", gradient_checkpointing=True
+        )
+    else:
+        enable_activation_checkpointing(model)
+    keys = [*_keys(sequences, n, prompt, response), f"{ARR}.model.enable_gradient_checkpointing=true"]
+    keys += [f"{ARR}.model.lora_rank={rank}", f"{ARR}.model.lora_alpha={2 * rank}"] if rank else []
+    workers, est, budget = _workers(task, model, device, [*keys, *extra], prompt, response)
+    engine = HFRollout(
+        model, eos_token_ids=[2], pad_token_id=0, compute_dtype=torch.bfloat16 if cuda else None
+    )
+    g = torch.Generator().manual_seed(6)
+    prompts = [
+        torch.randint(3, model.config.vocab_size, (prompt,), generator=g).tolist() for _ in range(sequences)
+    ]
+    copies = getattr(model, "tearless_copies", None)
+    tensors = {id(t): t for t in [*model.parameters(), *(c for *_, c in (copies.slots if copies else ()))]}
+    held = sum(t.numel() * t.element_size() for t in tensors.values())
+    phases: dict[str, float] = {"rollout": 0.0, "update": 0.0}
+    start, finite = time.perf_counter(), True
+    try:
+        for _ in range(steps):
+            for phase in phases:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                if phase == "rollout":
+                    with copies_for(model, torch.bfloat16 if cuda else None):
+                        engine.generate(prompts, n=1, max_new_tokens=response, keys=list(range(sequences)))
+                else:
+                    metrics = workers.update_policy(
+                        _batch(model.config.vocab_size, prompt, response, sequences, n)
+                    )
+                    finite = finite and math.isfinite(metrics["actor/grad_norm"])
+                _sync(device)
+                peak = torch.cuda.max_memory_allocated() / GIB if cuda else float("nan")
+                phases[phase] = max(phases[phase], peak)
+    finally:
+        workers.close()
+    seconds = time.perf_counter() - start
+    top = max(phases.values())
+    return {
+        "s_per_step": round(seconds / steps, 2),
+        "parameters_gib": round(held / GIB, 2),
+        "parameters_over_estimate": round(held / est.parameters, 4),
+        "rollout_peak_gib": round(phases["rollout"], 2) if cuda else None,
+        "update_peak_gib": round(phases["update"], 2) if cuda else None,
+        "estimate_gib": round(est.peak / GIB, 2),
+        "estimate_over_peak": round(est.peak / GIB / top, 3) if cuda else None,
+        "budget_tokens": budget,
+        "finite": finite,
     }
 
 

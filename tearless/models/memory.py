@@ -3,9 +3,9 @@ r"""How much device memory a training rank needs, known before any weight is loa
 For a decoder of N parameters (hidden size h, L layers, key/value width k = kv_heads · head_dim, MLP
 width i, vocabulary V) trained with AdamW on float32 master weights, one rank holds:
 
-- **parameters** 4N bytes (float32), ÷ world size when FSDP2 shards them, 0 when offloaded; with
-  compute copies in bf16 (one process) 2N more, or, for a LoRA actor whose base is held in bf16,
-  2(N − T) + 6T;
+- **parameters** 4N bytes (float32), ÷ world size when FSDP2 shards them, 0 when offloaded; a LoRA
+  actor's 4(N + T) (its base and its T adapter parameters); with compute copies in bf16 (one
+  process) 2 bytes more for each, or 2N + 6T for a LoRA actor whose base is held in bf16;
 - **gradients** 4·T bytes for the T trained parameters (T = N, or the LoRA adapters' count);
 - **optimizer** 8·T bytes (AdamW's two float32 moments), 0 when offloaded;
 - **activations** per token of a micro-batch, in the compute dtype (c bytes: 2 for bf16, 4 for
@@ -195,8 +195,9 @@ def estimate(
     actor's frozen base (2 when held in bf16 with its copies: then only the adapters have copies)."""
     n = shape.parameters
     trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
-    held = lora_rank > 0 and base_bytes != 4
-    weights = 4 * trained + base_bytes * (n - trained) + copy_bytes * (trained if held else n)
+    base = n if lora_rank > 0 else 0  # a LoRA actor's frozen base; its adapters come on top of it
+    held = base and base_bytes != 4
+    weights = 4 * trained + base_bytes * base + copy_bytes * (trained + (0 if held else base))
     return MemoryEstimate(
         parameters=0 if param_offload else weights // world,
         gradients=0 if param_offload else 4 * trained // world,

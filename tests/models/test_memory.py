@@ -37,9 +37,9 @@ def test_a_tiny_shape_by_hand():
     lora = estimate(
         s, lora_rank=1, compute_bytes=4, micro_tokens=1, rollout_tokens=1, chunked=True, reference=True
     )
-    # LoRA: gradients and moments of the 64 adapter weights only; the reference is the adapters-off
-    # actor (no second copy).
-    assert (lora.gradients, lora.optimizer, lora.reference) == (256, 512, 0)
+    # LoRA: the base's 236 weights and the 64 adapter weights on top, 4·300; gradients and moments of
+    # the adapters only; the reference is the adapters-off actor (no second copy).
+    assert (lora.parameters, lora.gradients, lora.optimizer, lora.reference) == (1200, 256, 512, 0)
     off = estimate(s, compute_bytes=4, micro_tokens=1, rollout_tokens=1, chunked=True, optimizer_offload=True)
     assert off.optimizer == 0 and off.parameters == 944
     # A distillation teacher of the same shape: its float32 weights, 4·236/2 = 472, on top of the
@@ -124,11 +124,11 @@ def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
         cfg = load_config(None, [*teach, *extra], device="cuda", notify=lambda _: None)
         assert run_estimate(cfg, config, "cuda", config).teacher == expect * n
     # LoRA: the reference is the adapters-off actor, and the frozen base is held in bf16 when the engine
-    # samples in bf16 (the CUDA default): 2 bytes a base parameter, 4 + 2 for the T adapter parameters;
-    # a float32 engine keeps the float32 base beside its copies (6 bytes a parameter).
+    # samples in bf16 (the CUDA default): 2 bytes a base parameter, 4 + 2 for the T adapter parameters
+    # on top of it; a float32 engine keeps the float32 base beside its copies (6 bytes a parameter).
     lora = [*keys, f"{arr}.model.lora_rank=8"]
     t = QWEN_05B.lora_parameters(8)
-    for extra, expect in (([], 2 * (n - t) + 6 * t), ([f"{arr}.rollout.dtype=float32"], 6 * n)):
+    for extra, expect in (([], 2 * n + 6 * t), ([f"{arr}.rollout.dtype=float32"], 6 * (n + t))):
         cfg = load_config(None, [*lora, *extra], device="cuda", notify=lambda _: None)
         est = run_estimate(cfg, config, "cuda")
         assert (est.parameters, est.reference, est.gradients) == (expect, 0, 4 * t)
