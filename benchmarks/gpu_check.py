@@ -59,6 +59,17 @@ from pathlib import Path
 import torch
 
 RESULTS: list[dict] = []
+# Where each check's result is written as soon as it ends (``--out``): a run stopped by the device's time
+# limit still returns the checks it finished.
+OUT: list[Path] = []
+
+
+def write_results() -> None:
+    for out in OUT:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(RESULTS, indent=1))
+        tmp.replace(out / "gpu_check.json")
 
 
 def check(name: str) -> Callable[[Callable[..., dict]], Callable[..., None]]:
@@ -75,6 +86,7 @@ def check(name: str) -> Callable[[Callable[..., dict]], Callable[..., None]]:
                 traceback.print_exc(limit=6)
             numbers["seconds"] = round(time.perf_counter() - start, 1)
             RESULTS.append({"check": name, "ok": ok, "why": why, **numbers})
+            write_results()
             shown = "  ".join(f"{k}={v}" for k, v in numbers.items())
             print(f"{'PASS' if ok else 'FAIL'} {name}: {shown}{'  -- ' + why if why else ''}", flush=True)
             if torch.cuda.is_available():
@@ -515,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"gpu_check: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"device {torch.cuda.get_device_name(0) if not dry else 'cpu (dry run)'}", flush=True)  # fmt: skip
+    OUT.extend([Path(args.out)] if args.out else [])
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     spec = TaskSpec(num_train=400, num_val=100, warmup_steps=20 if dry else 300)
     task = prepare_task(spec, os.environ.get("TEARLESS_CACHE", str(work / "cache")), log=lambda _: None)
@@ -538,9 +551,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.only is None or name in args.only:
             run()
     passed = sum(r["ok"] for r in RESULTS)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1))
     print(f"gpu_check: {passed} passed, {len(RESULTS) - passed} failed")
     return 0 if passed == len(RESULTS) else 1
 
