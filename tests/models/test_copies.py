@@ -194,3 +194,29 @@ def test_a_held_base_merges_in_float32_and_exports_float32_with_its_tie_and_the_
     hook = lora_a.register_forward_hook(lambda m, *_: seen.append(m.weight.dtype))
     assert logits_finite(held, torch.tensor([[1, 2, 3]])) and seen == [torch.bfloat16]
     hook.remove()
+
+
+def test_a_save_from_an_accelerator_writes_each_name_its_own_weights(tmp_path, monkeypatch):
+    """hf_weights frees an untied tensor once it is yielded, so a later one may take its id; the CPU
+    copies save_model makes (here in tensor objects made beforehand, as no CPU ``.cpu()`` does) must
+    not be reused by id alone, or ten weights of the tiny model were written as one."""
+    from safetensors.torch import load_file
+
+    from tearless.models.weights import hf_weights, save_model
+
+    pool = [torch.empty(0) for _ in range(100)]
+
+    def copied(self, *args, **kwargs):
+        out = pool.pop()
+        out.data = self.clone()
+        return out
+
+    _, held = lora_pair()
+    for model, merged in ((tiny(), False), (held, True)):
+        expected = {k: v.clone() for k, v in hf_weights(model, torch.float32)}
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "cpu", copied)
+            save_model(model, tmp_path / str(merged), write=True, merged=merged)
+        saved = load_file(tmp_path / str(merged) / "model.safetensors")
+        assert saved.keys() == expected.keys() - {"lm_head.weight"}  # still tied to the embedding
+        assert all(torch.equal(t, expected[k]) for k, t in saved.items())
