@@ -3,6 +3,8 @@ masters everywhere else, gradients summed in float32, one cast per optimizer ste
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -188,6 +190,8 @@ def test_a_held_base_merges_in_float32_and_exports_float32_with_its_tie_and_the_
     saved = load_file(tmp_path / "merged" / "model.safetensors")
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert "lm_head.weight" not in saved  # still tied to the embedding
+    # and its config says so: transformers loads a model in its config's dtype by default
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float32"
     # The bad-step guard forwards through the copies: what the engine samples from.
     seen = []
     lora_a = base.model.layers[0].mlp.up_proj.lora_A["default"]
