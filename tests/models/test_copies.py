@@ -224,3 +224,25 @@ def test_a_save_from_an_accelerator_writes_each_name_its_own_weights(tmp_path, m
         saved = load_file(tmp_path / str(merged) / "model.safetensors")
         assert saved.keys() == expected.keys() - {"lm_head.weight"}  # still tied to the embedding
         assert all(torch.equal(t, expected[k]) for k, t in saved.items())
+
+
+def test_tearless_evals_frozen_actor_is_held_in_bf16_only_when_its_engine_samples_in_bf16(monkeypatch):
+    """``tearless eval`` builds the actor frozen for the built-in engine alone; the trainer's actor with
+    copies samples from its float32 masters when rollout.dtype=float32, so eval's must stay float32
+    (it was held in bf16, and its numbers were no longer ``trainer.val_only``'s)."""
+    from tearless.config import load_config
+    from tearless.models import precision
+    from tearless.workers.build import ModelBuilder
+    from tearless.workers.spec import RankSpec
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    arr = "actor_rollout_ref"
+    keys = [f"{arr}.actor.fsdp_config.param_dtype=bfloat16", f"{arr}.actor.fsdp_config.compute_copies=true"]
+    for rollout, held in (("float32", torch.float32), ("bfloat16", torch.bfloat16), (None, torch.bfloat16)):
+        extra = [] if rollout is None else [f"{arr}.rollout.dtype={rollout}"]
+        cfg = load_config(None, [*keys, *extra], notify=lambda _: None)
+        spec = RankSpec(cfg, roles=(), rollout=True, model_path="unused", total_steps=0, device="cpu")
+        model = tiny().requires_grad_(False)
+        ModelBuilder(spec, 0, 1, None, torch.device("cpu")).reduce(model, "actor")
+        assert {p.dtype for p in model.parameters()} == {held}, rollout
+        assert getattr(model, "tearless_compute_dtype", None) is None  # no autocast: as the trainer's
