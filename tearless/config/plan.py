@@ -297,12 +297,13 @@ class RunPlan:
     def holds_base_in_copies(self, device: str) -> bool:
         """Whether a LoRA actor with compute copies holds its frozen base in the copies' dtype alone
         (2 bytes a parameter, no float32 master: :mod:`tearless.models.copies`): when its engine
-        samples in that dtype too (the built-in hybrid engine's :meth:`hybrid_rollout_dtype`, an
-        engine holding its own weights: :meth:`rollout_dtype`), so nothing forwards the base in
-        float32; with a float32 engine the base keeps its float32 masters beside the copies."""
+        samples in that dtype too (the built-in hybrid engine's :meth:`hybrid_rollout_dtype`; an
+        engine holding its own weights, or the built-in one on rollout nodes, is sent them in
+        :meth:`rollout_dtype`), so nothing forwards the base in float32; with a float32 engine the
+        base keeps its float32 masters beside the copies."""
         if not (self.sections.model.lora_rank > 0 and self.holds_copies("actor", device)):
             return False
-        if self.capabilities.holds_own_weights:
+        if self.separate_rollout:
             return resolve_dtype(self.rollout_dtype(device)) == torch.bfloat16
         return self.hybrid_rollout_dtype(device, warn=False) == torch.bfloat16
 

@@ -12,7 +12,9 @@ ranks only join the gathers); a LoRA actor's directory holds its adapter, as pef
 
 from __future__ import annotations
 
+import copy
 import os
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,12 +117,23 @@ def save_model(
             save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
             model.peft_config[model.active_adapter].save_pretrained(str(directory))
         return
-    state, on_cpu = {}, {}
+    state: dict[str, torch.Tensor] = {}
+    on_cpu: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
     # A LoRA base held in bf16 (compute copies) is saved merged in float32, as a float32 base is.
-    for name, t in hf_weights(model, torch.float32 if holds_frozen(model) else None):
+    dtype = torch.float32 if holds_frozen(model) else None
+    for name, t in hf_weights(model, dtype):
         if write:  # one CPU copy per tensor, so tied weights stay one storage
-            state[name] = on_cpu.setdefault(id(t), t.cpu())
+            # hf_weights frees an untied tensor once it is yielded (a later one may take its id), so
+            # a copy is reused only for the tensor it was made from, which a tied name gets again
+            held = on_cpu.get(id(t))
+            if held is None or held[0]() is not t:
+                held = on_cpu[id(t)] = (weakref.ref(t), t.cpu())
+            state[name] = held[1]
     if write:
         plain = model.get_base_model() if is_lora(model) else model
         with quiet_transformers():
             plain.save_pretrained(directory, state_dict=state)
+            if dtype is not None:  # save_pretrained wrote model.dtype (the held base's) as the config's
+                config = copy.deepcopy(plain.config)
+                config.dtype = str(dtype).removeprefix("torch.")
+                config.save_pretrained(directory)

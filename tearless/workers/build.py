@@ -67,7 +67,9 @@ class ModelBuilder:
         (``fsdp_config.compute_copies``, unsharded only: bf16 copies of a trained model's float32
         masters, or a frozen model's parameters held in bf16; :mod:`tearless.models.copies`), else
         marked for autocast (float16 always). Sharded GPU models compute in it through FSDP2's mixed
-        precision."""
+        precision. A frozen actor (``tearless eval``'s, which only the built-in engine forwards) is held
+        in bf16 only when that engine samples in bf16; otherwise it stays float32, as a trained actor's
+        engine then samples from its float32 masters."""
         dtype = compute_dtype(self.spec.plan.param_dtype(role), self.device, role_key(role))
         if dtype == torch.float32:
             return
@@ -76,7 +78,7 @@ class ModelBuilder:
         elif any(p.requires_grad for p in model.parameters()):
             held = role == "actor" and self.spec.plan.holds_base_in_copies(self.device.type)
             attach(model, dtype, hold_frozen=held)
-        else:
+        elif role != "actor" or self.spec.plan.hybrid_rollout_dtype(self.device.type, warn=False) == dtype:
             hold_in(model, dtype)
 
     def _shard(self, build: Callable[[bool], torch.nn.Module], role: str) -> torch.nn.Module:

@@ -72,6 +72,32 @@ def test_precision_mismatch_by_device_and_dtype():
     assert not same.precision_mismatch("cuda") and not same.precision_mismatch("cpu")
 
 
+def test_a_lora_base_is_held_in_bf16_only_where_its_engine_samples_in_bf16(monkeypatch):
+    from tearless.models import precision
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    arr = "actor_rollout_ref"
+    copies = (f"{arr}.model.lora_rank=4", f"{arr}.actor.fsdp_config.param_dtype=bfloat16",
+              f"{arr}.actor.fsdp_config.compute_copies=true")
+    split = ("trainer.placement=ray", f"{arr}.rollout.nnodes=1", f"{arr}.rollout.n_gpus_per_node=1")
+    bf16, fp32 = f"{arr}.rollout.dtype=bfloat16", f"{arr}.rollout.dtype=float32"
+
+    def held(*extra, own_weights=False):
+        plan = build_plan(cfg_of(*copies, *extra))
+        if own_weights:  # an engine holding its own copy (vLLM, not installed here)
+            caps = dataclasses.replace(plan.capabilities, holds_own_weights=True)
+            plan = dataclasses.replace(plan, capabilities=caps, separate_rollout=True)
+        return plan.holds_base_in_copies("cpu")
+
+    # The hybrid built-in engine computes in rollout.dtype, else in the actor's bf16.
+    assert held() and held(bf16) and not held(fp32)
+    # An engine of its own, and the built-in engine on rollout nodes, hold rollout.dtype (float32 on
+    # CPU): a float32 engine is sent float32 weights, so the base keeps its float32 masters.
+    assert not held(own_weights=True) and held(bf16, own_weights=True)
+    assert not held(*split) and held(*split, bf16)
+    assert not build_plan(cfg_of(*copies[1:])).holds_base_in_copies("cpu")  # no LoRA: no base
+
+
 def test_the_measured_auto_lives_in_the_plan_not_the_config():
     cfg = cfg_of("actor_rollout_ref.actor.fsdp_config.param_dtype=auto")
     plan = build_plan(cfg)

@@ -3,6 +3,8 @@ masters everywhere else, gradients summed in float32, one cast per optimizer ste
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -188,9 +190,59 @@ def test_a_held_base_merges_in_float32_and_exports_float32_with_its_tie_and_the_
     saved = load_file(tmp_path / "merged" / "model.safetensors")
     assert {t.dtype for t in saved.values()} == {torch.float32}
     assert "lm_head.weight" not in saved  # still tied to the embedding
+    # and its config says so: transformers loads a model in its config's dtype by default
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["dtype"] == "float32"
     # The bad-step guard forwards through the copies: what the engine samples from.
     seen = []
     lora_a = base.model.layers[0].mlp.up_proj.lora_A["default"]
     hook = lora_a.register_forward_hook(lambda m, *_: seen.append(m.weight.dtype))
     assert logits_finite(held, torch.tensor([[1, 2, 3]])) and seen == [torch.bfloat16]
     hook.remove()
+
+
+def test_a_save_from_an_accelerator_writes_each_name_its_own_weights(tmp_path, monkeypatch):
+    """hf_weights frees an untied tensor once it is yielded, so a later one may take its id; the CPU
+    copies save_model makes (here in tensor objects made beforehand, as no CPU ``.cpu()`` does) must
+    not be reused by id alone, or ten weights of the tiny model were written as one."""
+    from safetensors.torch import load_file
+
+    from tearless.models.weights import hf_weights, save_model
+
+    pool = [torch.empty(0) for _ in range(100)]
+
+    def copied(self, *args, **kwargs):
+        out = pool.pop()
+        out.data = self.clone()
+        return out
+
+    _, held = lora_pair()
+    for model, merged in ((tiny(), False), (held, True)):
+        expected = {k: v.clone() for k, v in hf_weights(model, torch.float32)}
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "cpu", copied)
+            save_model(model, tmp_path / str(merged), write=True, merged=merged)
+        saved = load_file(tmp_path / str(merged) / "model.safetensors")
+        assert saved.keys() == expected.keys() - {"lm_head.weight"}  # still tied to the embedding
+        assert all(torch.equal(t, expected[k]) for k, t in saved.items())
+
+
+def test_tearless_evals_frozen_actor_is_held_in_bf16_only_when_its_engine_samples_in_bf16(monkeypatch):
+    """``tearless eval`` builds the actor frozen for the built-in engine alone; the trainer's actor with
+    copies samples from its float32 masters when rollout.dtype=float32, so eval's must stay float32
+    (it was held in bf16, and its numbers were no longer ``trainer.val_only``'s)."""
+    from tearless.config import load_config
+    from tearless.models import precision
+    from tearless.workers.build import ModelBuilder
+    from tearless.workers.spec import RankSpec
+
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
+    arr = "actor_rollout_ref"
+    keys = [f"{arr}.actor.fsdp_config.param_dtype=bfloat16", f"{arr}.actor.fsdp_config.compute_copies=true"]
+    for rollout, held in (("float32", torch.float32), ("bfloat16", torch.bfloat16), (None, torch.bfloat16)):
+        extra = [] if rollout is None else [f"{arr}.rollout.dtype={rollout}"]
+        cfg = load_config(None, [*keys, *extra], notify=lambda _: None)
+        spec = RankSpec(cfg, roles=(), rollout=True, model_path="unused", total_steps=0, device="cpu")
+        model = tiny().requires_grad_(False)
+        ModelBuilder(spec, 0, 1, None, torch.device("cpu")).reduce(model, "actor")
+        assert {p.dtype for p in model.parameters()} == {held}, rollout
+        assert getattr(model, "tearless_compute_dtype", None) is None  # no autocast: as the trainer's
