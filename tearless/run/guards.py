@@ -39,7 +39,8 @@ def weights_finite(model: torch.nn.Module) -> bool:
 
 def logits_finite(model: torch.nn.Module, input_ids: torch.Tensor) -> bool:
     """Whether ``model``'s logits on ``input_ids`` (1, T) are all finite: from its compute copies when
-    it has them (the weights its passes and its engine compute from, refreshed by the step)."""
+    it has them (the weights its passes compute from, refreshed by the step; the masters' own
+    finiteness is :func:`weights_finite`'s)."""
     with torch.no_grad(), copies_for(model):
         logits = model(input_ids=input_ids.to(compute_device(model))).logits
     return bool(torch.isfinite(logits).all())

@@ -137,7 +137,7 @@ class RLTrainer:
             plan=self.plan,
         )
         self.workers = make_workers(spec, self.tokenizer.pad_token_id, run_dir=self.run_dir)
-        announce_autocast(self.plan, self.workers.device, self.log)
+        announce_autocast(self.plan, self.workers.device, self.log, self.workers.world_of)
         if (note := self.plan.eager_despite_compile(self.workers.world_of("actor"))) is not None:
             self.log(note)
         # The hybrid built-in engine sampling in another precision than the trainer's π_old forward:

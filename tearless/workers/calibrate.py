@@ -402,23 +402,34 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
     return plan.with_dtypes(choices)
 
 
-def announce_autocast(plan: RunPlan, device: str, log) -> None:
+def announce_autocast(plan: RunPlan, device: str, log, world_of: Callable[[str], int] = lambda _: 1) -> None:
     """One line naming the roles that compute under bf16 autocast on CPU (it changes speed and
-    rounding; on a CPU whose bf16 is slower than float32 the user should know it is on). Roles
-    resolved from ``auto`` had their own line (:func:`resolve_auto`)."""
+    rounding; on a CPU whose bf16 is slower than float32 the user should know it is on), and one
+    naming those that compute from bf16 compute copies (a role of one process, ``world_of(role)``
+    its ranks, with ``fsdp_config.compute_copies``). Roles resolved from ``auto`` had their own line
+    (:func:`resolve_auto`)."""
     if device != "cpu":
         return
-    keys = [
-        role_key(r)
+    reduced = [
+        r
         for r in plan.roles
         if compute_dtype(plan.param_dtype(r), device, "", warn=False) != torch.float32
         and r not in plan.auto_resolved
     ]
+    copies = [role_key(r) for r in reduced if world_of(r) == 1 and plan.holds_copies(r, device)]
+    keys = [role_key(r) for r in reduced if role_key(r) not in copies]
     hybrid = not plan.capabilities.holds_own_weights
     if hybrid and plan.hybrid_rollout_dtype(device, warn=False) != torch.float32:
-        keys.append("actor_rollout_ref.rollout.dtype")
+        # the built-in engine samples from the actor's copies when the actor has them
+        (copies if role_key("actor") in copies else keys).append("actor_rollout_ref.rollout.dtype")
     if keys:
         log(
             f"bf16 autocast is on ({', '.join(keys)}): matmuls in bfloat16, master weights, optimizer "
             "state and losses in float32; set those keys to float32 to turn it off"
+        )
+    if copies:
+        log(
+            f"bf16 compute copies are on ({', '.join(copies)}): the whole forward in bfloat16 from copies "
+            "of the float32 master weights, optimizer state and losses in float32; set those keys to "
+            "float32 to turn bf16 off, or their compute_copies=false for autocast"
         )

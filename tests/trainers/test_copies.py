@@ -79,14 +79,14 @@ def runs(request, overrides, tmp_path_factory):
 
         passes: set[tuple] = set()
         mp.setattr(critic, "response_values", seen_values)
-        full = root / "full"
-        train(None, run_args(overrides, full, kind), log=lambda _: None)
+        full, logs = root / "full", []
+        train(None, run_args(overrides, full, kind), log=logs.append)
         resumed = root / "resumed"
         shutil.copytree(full, resumed)
         shutil.rmtree(resumed / "global_step_2")
         (resumed / "latest_checkpointed_iteration.txt").write_text("1")
         summary = train(None, run_args(overrides, resumed, kind), log=lambda _: None)
-    return dict(kind=kind, full=full, resumed=resumed, summary=summary, made=made, passes=passes)
+    return dict(kind=kind, full=full, resumed=resumed, summary=summary, made=made, passes=passes, logs=logs)
 
 
 def test_the_actor_has_copies_and_the_reference_is_held_in_bf16(runs):
@@ -104,6 +104,12 @@ def test_the_actor_has_copies_and_the_reference_is_held_in_bf16(runs):
         # the reference is the adapters-off actor, no model of its own.
         made = [("attach", bf16, True), [(bf16, False), (f32, True)]]
     assert runs["made"] == made * 2
+    # One line at start says so, naming each key that computes from copies (LoRA's reference, the
+    # adapters-off actor, and the hybrid engine compute from the actor's), and none says autocast.
+    keys = [f"{ARR}.actor.fsdp_config.param_dtype", f"{ARR}.ref.fsdp_config.param_dtype"]
+    keys += ["critic.model.fsdp_config.param_dtype"] if runs["kind"] == "critic" else []
+    said = [line.split(":")[0] for line in runs["logs"] if line.startswith("bf16 ")]
+    assert said == [f"bf16 compute copies are on ({', '.join([*keys, f'{ARR}.rollout.dtype'])})"]
 
 
 def test_checkpoints_hold_float32_masters_and_every_parameters_optimizer_state(runs, task):
