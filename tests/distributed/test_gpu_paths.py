@@ -146,18 +146,25 @@ def test_a_float16_reference_is_allowed():
     assert cfg.actor_rollout_ref.ref.fsdp_config.param_dtype == "fp16"
 
 
+def dry_run(tmp_path: Path, *tier: str, passed: int) -> dict[str, dict]:
+    """``benchmarks/gpu_check.py --dry-run`` (with ``tier``'s arguments) in a fresh process: every check
+    passed (``passed`` of them), their results by name."""
+    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
+    env = {**os.environ, "TEARLESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, str(script), "--dry-run", *tier, "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    last = out.stdout.strip().splitlines()[-1]
+    assert last == f"gpu_check: {passed} passed, 0 failed", out.stdout + out.stderr
+    return {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+
+
 @pytest.mark.slow
 def test_the_gpu_checks_dry_run_passes_on_cpu(tmp_path):
     # benchmarks/gpu_check.py runs tearless's GPU paths on a GPU; its dry run is the same code on CPU
     # (gloo for NCCL, no CUDA graphs, tiny sizes), so the script cannot rot between GPU sessions.
-    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
-    env = {**os.environ, "TEARLESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 9 passed, 0 failed", out.stdout + out.stderr
-    results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+    results = dry_run(tmp_path, passed=9)
     assert results["grpo_fp32_resume"]["resumed"] and results["grpo_fp32_resume"]["steps"] == 2
     assert results["rank_sharded_logprobs"]["sharded_class"].startswith("FSDP")
     assert results["decode_loop"]["static_greedy_agree"] >= 0.99
@@ -167,14 +174,7 @@ def test_the_gpu_checks_dry_run_passes_on_cpu(tmp_path):
 def test_the_gpu_checks_real_scale_tier_dry_run_passes_on_cpu(tmp_path):
     # The real-scale tier (benchmarks/gpu_scale.py: the trainer's update and the decode loop at
     # Qwen2.5's shapes) on a tiny shape, so it cannot rot between GPU sessions either.
-    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
-    env = {**os.environ, "TEARLESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--tier", "real", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 4 passed, 0 failed", out.stdout + out.stderr
-    results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+    results = dry_run(tmp_path, "--tier", "real", passed=4)
     for variant in ("compiled", "copies"):
         assert (
             results[f"update_dry_{variant}"]["finite"]
@@ -191,14 +191,7 @@ def test_the_gpu_checks_fit_tier_dry_run_passes_on_cpu(tmp_path):
     # a tiny shape: two steps each, and the bytes each model holds equal the start-up estimate's
     # parameters but for the biases it leaves out (q/k/v's, 0.1-0.2% of this shape): the LoRA base held
     # in bf16 by compute copies (bf16 forced on in the dry run) included.
-    script = Path(__file__).parents[2] / "benchmarks" / "gpu_check.py"
-    env = {**os.environ, "TEARLESS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--tier", "fit", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, env=env,
-    )  # fmt: skip
-    assert out.stdout.strip().splitlines()[-1] == "gpu_check: 3 passed, 0 failed", out.stdout + out.stderr
-    results = {r["check"]: r for r in json.loads((tmp_path / "gpu_check.json").read_text())}
+    results = dry_run(tmp_path, "--tier", "fit", passed=3)
     assert results.keys() == {"fit_1.5b", "fit_7b_lora", "fit_7b_lora_copies"}
     for r in results.values():
         assert r["finite"] and 1.0 < r["parameters_over_estimate"] < 1.005, r
