@@ -38,6 +38,13 @@ def _lora_delta(module: torch.nn.Module) -> torch.Tensor:
     return delta
 
 
+def _storage_key(value: torch.Tensor) -> tuple:
+    """What makes two state entries one tensor (tied): the same storage, offset, shape and strides
+    (of the local shard, for FSDP2's DTensors; the full shape)."""
+    local = local_tensor(value)
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), local.stride(), tuple(value.shape))
+
+
 def _gathered(
     state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, uncast: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -45,9 +52,9 @@ def _gathered(
     names in ``uncast``) once: tied weights (an LM head sharing the embedding) come back as the same
     tensor, as ``save_pretrained`` expects of them. Only a tied storage's tensor is kept for its next
     name; the others are the caller's to free."""
-    keys = {n: (local_tensor(v).untyped_storage().data_ptr(), tuple(v.shape)) for n, v in state.items()}
+    keys = {n: _storage_key(v) for n, v in state.items()}
     tied = {k for k, count in Counter(keys.values()).items() if count > 1}
-    seen: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+    seen: dict[tuple, torch.Tensor] = {}
     for name, value in state.items():
         key = keys[name]
         if key in seen:

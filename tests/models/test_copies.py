@@ -246,3 +246,14 @@ def test_tearless_evals_frozen_actor_is_held_in_bf16_only_when_its_engine_sample
         ModelBuilder(spec, 0, 1, None, torch.device("cpu")).reduce(model, "actor")
         assert {p.dtype for p in model.parameters()} == {held}, rollout
         assert getattr(model, "tearless_compute_dtype", None) is None  # no autocast: as the trainer's
+
+
+def test_only_tied_entries_share_a_cast_and_views_of_one_storage_are_not_tied():
+    from tearless.models.weights import _gathered
+
+    w, rows = torch.randn(4, 3), torch.randn(4, 3)
+    state = {"embed": w, "head": w, "top": rows[:2], "bottom": rows[2:]}  # same shape, other offsets
+    out = dict(_gathered(state, torch.bfloat16))
+    assert out["embed"] is out["head"] and out["embed"].dtype == torch.bfloat16
+    assert torch.equal(out["top"], rows[:2].to(torch.bfloat16))
+    assert torch.equal(out["bottom"], rows[2:].to(torch.bfloat16))
