@@ -13,16 +13,23 @@ from tearless.config.plan import ROLES, RunPlan, build_plan
 from tearless.config.schema import Config
 from tearless.config.user_model import is_user_model
 from tearless.devices import device_defaults
-from tearless.models.memory import GIB, MemoryEstimate, ModelShape, estimate
+from tearless.models.memory import GIB, MemoryEstimate, ModelShape, critic_part, estimate
 
 ARR = "actor_rollout_ref"
 
 
 def run_estimate(
-    cfg: Config, model_config: Any, device: str, teacher_config: Any = None, *, plan: RunPlan | None = None
+    cfg: Config,
+    model_config: Any,
+    device: str,
+    teacher_config: Any = None,
+    *,
+    plan: RunPlan | None = None,
+    critic_config: Any = None,
 ) -> MemoryEstimate:
-    """The actor rank's estimate (with the reference's weights when it is a separate model, and the
-    teacher's, of ``teacher_config``'s shape, when the run distils one):
+    """The actor rank's estimate (with the reference's weights when it is a separate model, the
+    teacher's, of ``teacher_config``'s shape, when the run distils one, and a critic's, of
+    ``critic_config``'s shape (default the actor's), when it trains one on the same ranks):
     micro-batches of ``ppo_max_token_len_per_gpu`` tokens under ``use_dynamic_bsz``, else of
     ``ppo_micro_batch_size_per_gpu`` (or the whole mini-batch of ``ppo_mini_batch_size × n``)
     sequences of ``max_prompt_length`` + the response cap; the rollout caching the rank's share of
@@ -68,6 +75,32 @@ def run_estimate(
         reference_bytes=2 if held["ref"] else 4,
         teacher_bytes=2 if held["teacher"] else 4,
         base_bytes=2 if world == 1 and plan.holds_base_in_copies(device) else 4,
+        critic=_critic(cfg, plan, critic_config or model_config, device, seq),
+    )
+
+
+def _critic(cfg: Config, plan: RunPlan, config: Any, device: str, seq: int) -> dict[str, int] | None:
+    """The critic's parts of the actor rank's estimate (:func:`~tearless.models.memory.critic_part`)
+    when the run trains one on the actor's ranks (one process, or Ray's colocated pool), else None:
+    its micro-batches as :attr:`RunPlan.critic_section` resolves them, its dtype, copies,
+    checkpointing and offloads its own."""
+    if "critic" not in plan.roles or not (world_size(cfg) == 1 or cfg.trainer.colocate):
+        return None
+    c, fsdp, n = plan.critic_section, cfg.critic.model.fsdp_config, cfg.actor_rollout_ref.rollout.n
+    if c.use_dynamic_bsz:
+        micro_tokens = c.ppo_max_token_len_per_gpu
+    else:
+        micro_tokens = (c.ppo_micro_batch_size_per_gpu or c.ppo_mini_batch_size * n) * seq
+    dtype = plan.param_dtype("critic")
+    return critic_part(
+        ModelShape.from_config(config),
+        world=world_size(cfg),
+        compute_bytes=2 if device == "cuda" or dtype in ("bfloat16", "bf16", "float16", "fp16") else 4,
+        micro_tokens=micro_tokens,
+        checkpointing=cfg.critic.model.enable_gradient_checkpointing,
+        param_offload=fsdp.param_offload,
+        optimizer_offload=fsdp.optimizer_offload,
+        copy_bytes=2 if world_size(cfg) == 1 and plan.holds_copies("critic", device) else 0,
     )
 
 
@@ -82,22 +115,30 @@ def check_memory(est: MemoryEstimate, total_bytes: int, device: str) -> str | No
     if est.state > total_bytes:
         ref = f", reference {g(est.reference)}" if est.reference else ""
         ref += f", teacher {g(est.teacher)}" if est.teacher else ""
+        ref += f", critic {g(est.critic + est.critic_gradients)}" if est.critic else ""
+        critic = " (critic.model.fsdp_config's too)" if est.critic else ""
         raise ConfigError(
             f"the actor's rank holds ~{g(est.state)} GiB of weights, gradients and optimizer state "
             f"(parameters {g(est.parameters)}, gradients {g(est.gradients)}, optimizer {g(est.optimizer)}"
             f"{ref}) but this {device} has {g(total_bytes)} GiB: set {ARR}.actor.fsdp_config."
-            f"optimizer_offload=true / param_offload=true or {ARR}.model.lora_rank, or add GPUs "
+            f"optimizer_offload=true / param_offload=true{critic} or {ARR}.model.lora_rank, or add GPUs "
             f"(trainer.n_gpus_per_node)"
         )
     if est.peak <= total_bytes:
         return None
-    held = est.parameters + est.optimizer + est.reference + est.teacher
+    held = est.parameters + est.optimizer + est.reference + est.teacher + est.critic
     over = []
     if held + est.gradients + est.activations > total_bytes:
         over.append(
             f"activations up to {g(est.activations)} GiB ({est.micro_tokens} tokens a micro-batch): lower "
             f"{ARR}.actor.ppo_max_token_len_per_gpu (use_dynamic_bsz) or ppo_micro_batch_size_per_gpu, "
             f"or set {ARR}.model.enable_gradient_checkpointing=true"
+        )
+    if held + est.critic_gradients + est.critic_activations > total_bytes:
+        over.append(
+            f"the critic's activations up to {g(est.critic_activations)} GiB: lower "
+            "critic.ppo_max_token_len_per_gpu (use_dynamic_bsz) or ppo_micro_batch_size_per_gpu, or set "
+            "critic.model.enable_gradient_checkpointing=true"
         )
     if held + est.kv_cache > total_bytes:
         over.append(
@@ -145,7 +186,9 @@ def announce_memory(
         return None
     # A teacher of no known shape (not a decoder's config) is left out of the estimate.
     teacher = decoder(teacher_path) if teacher_path and "teacher" in plan.roles else None
-    est = run_estimate(cfg, model_config, device, teacher, plan=plan)
+    critic_path = plan.files.critic_path if plan.files else cfg.critic.model.path
+    critic = decoder(critic_path) if critic_path and "critic" in plan.roles else None
+    est = run_estimate(cfg, model_config, device, teacher, plan=plan, critic_config=critic)
     if device == "cuda":
         import torch  # heavy: only a GPU run asks for its memory
 

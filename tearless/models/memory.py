@@ -23,7 +23,9 @@ width i, vocabulary V) trained with AdamW on float32 master weights, one rank ho
 
 Peak ≈ parameters + optimizer + max(gradients + activations, KV cache): the update and the rollout
 do not overlap in the colocated placement, and gradients are freed between steps. Weights of a
-frozen reference (4N, no gradient or optimizer) add to both phases.
+frozen reference (4N, no gradient or optimizer) add to both phases. A critic trained on the same rank
+(PPO) holds its weights and AdamW state (12N_c) throughout and adds a third phase, its own update
+(gradients 4N_c and its activations: :func:`critic_part`).
 
 How close each part is: the **state** (parameters, gradients, optimizer, reference) is exact but for
 the biases (under 0.1%) and is a floor of what the rank holds. The **activations** and the **KV
@@ -36,6 +38,7 @@ bound of the lengths' worst case, not of the allocator's: only the state is safe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +111,9 @@ class MemoryEstimate:
     rollout_tokens: int
     reference: int = 0
     teacher: int = 0
+    critic: int = 0  # a colocated critic's parameters and AdamW state, held through the step
+    critic_gradients: int = 0  # its gradients and its activations, during its own update
+    critic_activations: int = 0
 
     @property
     def activations(self) -> int:
@@ -119,14 +125,16 @@ class MemoryEstimate:
 
     @property
     def state(self) -> int:
-        """Parameters, gradients, optimizer, reference and teacher: what the rank holds whatever the
-        lengths."""
-        return self.parameters + self.gradients + self.optimizer + self.reference + self.teacher
+        """Parameters, gradients, optimizer, reference, teacher and a colocated critic's (its
+        parameters, gradients and optimizer): what the rank holds whatever the lengths."""
+        actor = self.parameters + self.gradients + self.optimizer
+        return actor + self.reference + self.teacher + self.critic + self.critic_gradients
 
     @property
     def peak(self) -> int:
-        held = self.parameters + self.optimizer + self.reference + self.teacher
-        return held + max(self.gradients + self.activations, self.kv_cache)
+        held = self.parameters + self.optimizer + self.reference + self.teacher + self.critic
+        critic_update = self.critic_gradients + self.critic_activations
+        return held + max(self.gradients + self.activations, critic_update, self.kv_cache)
 
     def line(self, where: str) -> str:
         """One line: each part in GiB and the peak."""
@@ -136,6 +144,11 @@ class MemoryEstimate:
 
         ref = f", reference {g(self.reference)}" if self.reference else ""
         ref += f", teacher {g(self.teacher)}" if self.teacher else ""
+        if self.critic:
+            ref += (
+                f", critic {g(self.critic + self.critic_gradients)} (+ activations "
+                f"{g(self.critic_activations)} in its update)"
+            )
         return (
             f"memory estimate ({where}, GiB): parameters {g(self.parameters)}, "
             f"gradients {g(self.gradients)}, optimizer {g(self.optimizer)}{ref}, "
@@ -144,6 +157,35 @@ class MemoryEstimate:
             f"{g(self.kv_cache)} ({self.kv_per_token / 1024:.1f} KiB/token x {self.rollout_tokens} tokens); "
             f"peak up to ~{g(self.peak)}"
         )
+
+
+def critic_part(
+    shape: ModelShape,
+    *,
+    world: int = 1,
+    compute_bytes: int,
+    micro_tokens: int,
+    checkpointing: bool = False,
+    param_offload: bool = False,
+    optimizer_offload: bool = False,
+    copy_bytes: int = 0,
+) -> dict[str, int]:
+    """A value model of ``shape``'s backbone trained on the same rank (PPO's critic, colocated), as
+    :func:`estimate`'s ``critic``, ``critic_gradients`` and ``critic_activations``: its N_c parameters
+    (the embedding once, the one-output value head left out like the biases) in float32 (+
+    ``copy_bytes`` each for compute copies), its gradients 4N_c and AdamW 8N_c, ÷ ``world``; its
+    activations per token those of the decoder with a one-wide head, at its ``micro_tokens``."""
+    value = dataclasses.replace(shape, vocab=1, tied=True)
+    n = dataclasses.replace(shape, tied=True).parameters
+    per_token = activation_bytes_per_token(
+        value, compute_bytes=compute_bytes, chunked=True, checkpointing=checkpointing
+    )
+    return {
+        "critic": (0 if param_offload else (4 + copy_bytes) * n // world)
+        + (0 if optimizer_offload else 8 * n // world),
+        "critic_gradients": 0 if param_offload else 4 * n // world,
+        "critic_activations": per_token * micro_tokens,
+    }
 
 
 def activation_bytes_per_token(
@@ -182,6 +224,7 @@ def estimate(
     reference_bytes: int = 4,
     teacher_bytes: int = 4,
     base_bytes: int = 4,
+    critic: dict[str, int] | None = None,
 ) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of one rank: parameters, gradients and optimizer state divided by
     ``world`` (FSDP2's full sharding); ``micro_tokens`` tokens in one micro-batch's forward and
@@ -192,7 +235,8 @@ def estimate(
     bytes per parameter of the actor's compute copies beside its float32 masters (2 with
     ``compute_copies`` in bf16, else 0); ``reference_bytes``, ``teacher_bytes``: those of the
     reference's and the teacher's parameters (2 when held in bf16); ``base_bytes``: those of a LoRA
-    actor's frozen base (2 when held in bf16 with its copies: then only the adapters have copies)."""
+    actor's frozen base (2 when held in bf16 with its copies: then only the adapters have copies);
+    ``critic``: a colocated critic's parts (:func:`critic_part`)."""
     n = shape.parameters
     trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
     base = n if lora_rank > 0 else 0  # a LoRA actor's frozen base; its adapters come on top of it
@@ -210,4 +254,5 @@ def estimate(
         rollout_tokens=rollout_tokens,
         reference=0 if param_offload or not reference or lora_rank else reference_bytes * n // world,
         teacher=0 if teacher is None or teacher_offload else teacher_bytes * teacher.parameters // world,
+        **(critic or {}),
     )

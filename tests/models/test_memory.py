@@ -95,6 +95,55 @@ def test_from_a_transformers_config_and_a_run_config():
     assert cpu.activation_per_token == activation_bytes_per_token(QWEN_05B, compute_bytes=4, chunked=False)
 
 
+def test_a_colocated_critic_by_hand_and_from_a_ppo_config():
+    from tearless.models.memory import critic_part
+
+    # The tiny shape's value model: the embedding once (10·4 = 40), the 152 of the block and the final
+    # norm's 4: N_c = 196; float32 4N_c + AdamW 8N_c = 2,352 held, gradients 4N_c = 784. Activations
+    # per token: the block's 288 and a one-wide head, 4·1 (chunked).
+    s = ModelShape(hidden=4, layers=1, heads=2, kv_heads=1, intermediate=8, vocab=10, tied=False)
+    part = critic_part(s, compute_bytes=4, micro_tokens=10)
+    assert part == {"critic": 2352, "critic_gradients": 784, "critic_activations": 2920}
+    e = estimate(s, compute_bytes=4, micro_tokens=10, rollout_tokens=6, chunked=False, critic=part)
+    # state: the actor's 4·236 + 4·236 + 8·236 = 3,776, and the critic's 2,352 + 784.
+    assert e.state == 3776 + 3136
+    # peak: the actor's weights and AdamW 2,832, the critic's 2,352, then the largest of the actor's
+    # update (944 + 368·10), the critic's (784 + 2,920) and the KV cache (16·6).
+    assert e.peak == 2832 + 2352 + max(944 + 3680, 784 + 2920, 96)
+    assert "critic 0.00 (+ activations 0.00 in its update)" in e.line("x")
+    # A state over the card names the critic's offload keys too; a critic update over it, its own.
+    refusal = r"critic 0\.0\) but .*param_offload=true \(critic\.model\.fsdp_config's too\)"
+    with pytest.raises(ConfigError, match=refusal):
+        check_memory(e, e.state - 1, "GPU")
+    big = estimate(s, compute_bytes=4, micro_tokens=10, rollout_tokens=6, chunked=False,
+                   critic=critic_part(s, compute_bytes=4, micro_tokens=1000))  # fmt: skip
+    warning = check_memory(big, big.state + 10_000, "GPU")
+    assert warning is not None and "the critic's activations up to" in warning
+    assert "critic.model.enable_gradient_checkpointing=true" in warning
+    # Offloads, copies and sharding as the actor's.
+    sharded = critic_part(s, world=2, compute_bytes=4, micro_tokens=10, optimizer_offload=True, copy_bytes=2)
+    assert (sharded["critic"], sharded["critic_gradients"]) == (6 * 196 // 2, 4 * 196 // 2)
+    # From a config: PPO (GAE) trains a critic of the actor's shape on the actor's GPU; it is counted
+    # with its own micro-batches, and not when it has a pool of its own.
+    config = Qwen2Config(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    )  # fmt: skip
+    ppo = ["algorithm.adv_estimator=gae", "critic.use_dynamic_bsz=false"]
+    ppo.append("critic.ppo_micro_batch_size_per_gpu=2")
+    cfg = load_config(None, ppo, device="cuda", notify=lambda _: None)
+    e = run_estimate(cfg, config, "cuda")
+    assert e.critic == 12 * QWEN_05B.parameters and e.critic_gradients == 4 * QWEN_05B.parameters
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    per_token = critic_part(QWEN_05B, compute_bytes=2, micro_tokens=1)["critic_activations"]
+    assert e.critic_activations == 2 * seq * per_token
+    grpo = run_estimate(load_config(None, [], device="cuda", notify=lambda _: None), config, "cuda")
+    assert grpo.critic == grpo.critic_gradients == grpo.critic_activations == 0
+    apart = [*ppo, "trainer.placement=ray", "trainer.n_gpus_per_node=2", "trainer.colocate=false"]
+    own_pool = load_config(None, apart, device="cuda", notify=lambda _: None)
+    assert run_estimate(own_pool, config, "cuda").critic == 0
+
+
 def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
     # fsdp_config.compute_copies=true, KL loss (a separate reference), one GPU, bf16: the actor holds
     # its float32 masters (4N) and bf16 copies (2N); the reference its parameters in bf16 (2N, not 4N).
