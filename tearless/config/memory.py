@@ -43,12 +43,8 @@ def run_estimate(
     actor, n, world = arr.actor, arr.rollout.n, world_size(cfg)
     shape = ModelShape.from_config(model_config)
     seq = data.max_prompt_length + plan.response_length
-    if actor.use_dynamic_bsz:
-        micro_tokens = actor.ppo_max_token_len_per_gpu
-    else:
-        micro_tokens = (actor.ppo_micro_batch_size_per_gpu or actor.ppo_mini_batch_size * n) * seq
-    dtype = plan.param_dtype("actor")
-    compute = 2 if device == "cuda" or dtype in ("bfloat16", "bf16", "float16", "fp16") else 4
+    micro_tokens = _micro_tokens(actor, n, seq)
+    compute = _compute_bytes(plan, "actor", device)
     rollout_dtype = arr.rollout.dtype
     rollout = compute if rollout_dtype is None else (2 if rollout_dtype in ("bfloat16", "float16") else 4)
     chunk = max(1, (1 << 24) // shape.vocab)
@@ -75,32 +71,46 @@ def run_estimate(
         reference_bytes=2 if held["ref"] else 4,
         teacher_bytes=2 if held["teacher"] else 4,
         base_bytes=2 if world == 1 and plan.holds_base_in_copies(device) else 4,
-        critic=_critic(cfg, plan, critic_config or model_config, device, seq),
+        critic=_critic(cfg, plan, critic_config or model_config, device, seq, copies=held["critic"]),
     )
 
 
-def _critic(cfg: Config, plan: RunPlan, config: Any, device: str, seq: int) -> dict[str, int] | None:
+def _micro_tokens(section: Any, n: int, seq: int) -> int:
+    """Tokens of one micro-batch of a trained role's ``section`` (the actor's, or the critic's as
+    :attr:`RunPlan.critic_section` resolves it): ``ppo_max_token_len_per_gpu`` under
+    ``use_dynamic_bsz``, else ``ppo_micro_batch_size_per_gpu`` (or the mini-batch's ``n`` responses
+    per prompt) sequences of ``seq`` tokens."""
+    if section.use_dynamic_bsz:
+        return section.ppo_max_token_len_per_gpu
+    return (section.ppo_micro_batch_size_per_gpu or section.ppo_mini_batch_size * n) * seq
+
+
+def _compute_bytes(plan: RunPlan, role: str, device: str) -> int:
+    """Bytes of ``role``'s compute dtype: 2 on CUDA or where its ``param_dtype`` names a 16-bit type."""
+    dtype = plan.param_dtype(role)
+    return 2 if device == "cuda" or dtype in ("bfloat16", "bf16", "float16", "fp16") else 4
+
+
+def _critic(
+    cfg: Config, plan: RunPlan, config: Any, device: str, seq: int, *, copies: bool
+) -> dict[str, int] | None:
     """The critic's parts of the actor rank's estimate (:func:`~tearless.models.memory.critic_part`)
     when the run trains one on the actor's ranks (one process, or Ray's colocated pool), else None:
-    its micro-batches as :attr:`RunPlan.critic_section` resolves them, its dtype, copies,
+    its micro-batches as :attr:`RunPlan.critic_section` resolves them, its dtype, ``copies``,
     checkpointing and offloads its own."""
-    if "critic" not in plan.roles or not (world_size(cfg) == 1 or cfg.trainer.colocate):
+    world = world_size(cfg)
+    if "critic" not in plan.roles or not (world == 1 or cfg.trainer.colocate):
         return None
-    c, fsdp, n = plan.critic_section, cfg.critic.model.fsdp_config, cfg.actor_rollout_ref.rollout.n
-    if c.use_dynamic_bsz:
-        micro_tokens = c.ppo_max_token_len_per_gpu
-    else:
-        micro_tokens = (c.ppo_micro_batch_size_per_gpu or c.ppo_mini_batch_size * n) * seq
-    dtype = plan.param_dtype("critic")
+    fsdp = cfg.critic.model.fsdp_config
     return critic_part(
         ModelShape.from_config(config),
-        world=world_size(cfg),
-        compute_bytes=2 if device == "cuda" or dtype in ("bfloat16", "bf16", "float16", "fp16") else 4,
-        micro_tokens=micro_tokens,
+        world=world,
+        compute_bytes=_compute_bytes(plan, "critic", device),
+        micro_tokens=_micro_tokens(plan.critic_section, cfg.actor_rollout_ref.rollout.n, seq),
         checkpointing=cfg.critic.model.enable_gradient_checkpointing,
         param_offload=fsdp.param_offload,
         optimizer_offload=fsdp.optimizer_offload,
-        copy_bytes=2 if world_size(cfg) == 1 and plan.holds_copies("critic", device) else 0,
+        copy_bytes=2 if copies else 0,
     )
 
 
