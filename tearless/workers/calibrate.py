@@ -49,12 +49,20 @@ dropped with the model) and times the bf16 candidate with them swapped in and no
 forward + backward from the copies, each bf16 gradient added to its master's float32 one (as the run
 does), the loss still a float32 log-softmax; decoding samples from the copies. The copies' refresh after
 each optimizer step (one fused cast of every trained parameter, ``torch._foreach_copy_``) is a phase of
-its own, r, extrapolated in depth like the others and counted once per update epoch,
+its own, r, extrapolated in depth like the others and counted once per optimizer step,
 
-    step₁₆ += ppo_epochs · r
+    step₁₆ += ppo_epochs · k · r
 
-(a run with k mini-batches per epoch refreshes k times: the probe counts the smallest number, one
-per epoch); the float32 candidate holds no copies (r = 0) and is timed as without them.
+(k mini-batches an epoch: ``train_batch_size / ppo_mini_batch_size``, :attr:`StepShape.mini_batches`);
+
+the float32 candidate holds no copies (r = 0) and is timed as without them.
+
+Decoding counts only where it computes in the dtype being chosen: the built-in engine sampling the
+actor's own weights (hybrid placement) with ``rollout.dtype`` unset. With ``rollout.dtype`` set, or an
+engine holding its own weights (vLLM, rollout nodes), or a group of roles without the actor (a critic
+or a teacher read from another model), decoding costs the same whichever dtype is chosen, so it is
+neither timed nor counted (:attr:`StepShape.decodes` false): the choice is the update's, and the line
+says so.
 """
 
 from __future__ import annotations
@@ -98,17 +106,37 @@ SHAPE_FIELDS = (
 @dataclass(frozen=True)
 class StepShape:
     """What one RL step computes: ``prompts`` prompts of up to ``prompt_tokens`` tokens, each sampled
-    ``n`` times (``rollout.n``) up to ``response_tokens`` tokens, and ``ppo_epochs`` update passes."""
+    ``n`` times (``rollout.n``) up to ``response_tokens`` tokens, and ``ppo_epochs`` update passes of
+    ``mini_batches`` optimizer steps each; its decoding counted only when it ``decodes`` in the dtype
+    being chosen."""
 
     prompts: int = 8
     n: int = 8
     prompt_tokens: int = 128
     response_tokens: int = 128
     ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch: the copies refresh after each
+    decodes: bool = True  # whether decoding computes in the dtype chosen (module docstring)
 
     @property
     def rows(self) -> int:
         return self.prompts * self.n
+
+    def key(self) -> dict[str, Any]:
+        """The step's part of the cache key: its fields, those added later left out at their defaults
+        (so the choices cached before them stay valid)."""
+        return {
+            k: v
+            for k, v in asdict(self).items()
+            if not (k in ("mini_batches", "decodes") and v == getattr(StepShape, k))
+        }
+
+    def phases(self, copies: bool) -> tuple[str, ...]:
+        """The probe phases that price this step: the update, decoding (prefill and decode) when it
+        ``decodes``, the copies' refresh with ``copies``."""
+        return tuple(
+            p for p in (COPIES_PHASES if copies else PHASES) if self.decodes or p not in ("prefill", "decode")
+        )
 
     def probe_prompts(self) -> int:
         """The prompts the decoding probe samples ``n`` times each: the step's, at most
@@ -182,7 +210,7 @@ def choose_cpu_dtype(
             f"this CPU has no native bf16 (no {' or '.join(NATIVE_BF16_FLAGS)} flag): bf16 would be emulated",
         )
     step = step or StepShape()
-    key = {**cpu_identity(), "threads": threads, "shape": model_shape(config), "step": asdict(step)}
+    key = {**cpu_identity(), "threads": threads, "shape": model_shape(config), "step": step.key()}
     if copies:  # an autocast key stays as it was, so the choices cached before copies stay valid
         key["bf16"] = "compute copies"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -205,14 +233,17 @@ def choose_cpu_dtype(
     fp32, bf16 = (step_seconds(phases[dtype], step) for dtype in (torch.float32, torch.bfloat16))
     speedup = fp32 / bf16
     dtype = "bfloat16" if speedup >= SPEEDUP_TO_SWITCH else "float32"
-    decode32, decode16 = (_decode_seconds(phases[d], step) for d in (torch.float32, torch.bfloat16))
     update32, update16 = (_update_seconds(phases[d], step) for d in (torch.float32, torch.bfloat16))
+    if step.decodes:
+        decode32, decode16 = (_decode_seconds(phases[d], step) for d in (torch.float32, torch.bfloat16))
+        parts = f"decoding {decode32 / decode16:.2f}x, update {update32 / update16:.2f}x"
+    else:
+        parts = f"update {update32 / update16:.2f}x; decoding not counted: it runs in its engine's own dtype"
     choice = PrecisionChoice(
         dtype,
         f"measured on this CPU: a step of {step.prompts}x{step.n} samples of <= {step.prompt_tokens}+"
         f"{step.response_tokens} tokens ~{fp32:.3g} CPU-s in float32, ~{bf16:.3g} in bf16 "
-        f"{'compute copies' if copies else 'autocast'} "
-        f"({speedup:.2f}x: decoding {decode32 / decode16:.2f}x, update {update32 / update16:.2f}x; "
+        f"{'compute copies' if copies else 'autocast'} ({speedup:.2f}x: {parts}; "
         f"bf16 from {SPEEDUP_TO_SWITCH}x)",
         round(fp32, 6),
         round(bf16, 6),
@@ -226,9 +257,9 @@ def choose_cpu_dtype(
 
 def step_seconds(phases: dict[str, float], step: StepShape) -> float:
     """The estimated seconds of one step of shape ``step`` from one dtype's full-depth phase times
-    (module docstring): decoding plus ``ppo_epochs`` updates (each with its copies' refresh, when the
-    phases hold one)."""
-    return _decode_seconds(phases, step) + _update_seconds(phases, step)
+    (module docstring): decoding (when the step ``decodes``) plus ``ppo_epochs`` updates (with the
+    copies' refresh after each optimizer step, when the phases hold one)."""
+    return (_decode_seconds(phases, step) if step.decodes else 0.0) + _update_seconds(phases, step)
 
 
 def _decode_seconds(phases: dict[str, float], step: StepShape) -> float:
@@ -241,21 +272,21 @@ def _update_seconds(phases: dict[str, float], step: StepShape) -> float:
     # a group's prompt is forwarded once (share_prompt_forward), each response once
     tokens = step.prompts * step.prompt_tokens + step.rows * step.response_tokens
     update = phases["update"] * tokens / (PROBE_ROWS * PROBE_TOKENS)
-    return step.ppo_epochs * (update + phases.get("refresh", 0.0))
+    return step.ppo_epochs * (update + step.mini_batches * phases.get("refresh", 0.0))
 
 
 def phase_seconds(
     config: Any, timer: Timer, step: StepShape, copies: bool = False
 ) -> dict[torch.dtype, dict[str, float]]:
-    """Per dtype, the seconds of each probe phase (:data:`PHASES`; :data:`COPIES_PHASES`, bf16 from
-    compute copies, when ``copies``) for the full-depth model, extrapolated from the two probe depths
-    (module docstring); the timings alternate the dtypes, medians of :data:`PROBE_PAIRS`. Decoding
-    samples like ``step`` (:meth:`StepShape.probe_prompts`)."""
+    """Per dtype, the seconds of each probe phase that prices ``step`` (:meth:`StepShape.phases`: bf16
+    from compute copies, with their refresh, when ``copies``) for the full-depth model, extrapolated
+    from the two probe depths (module docstring); the timings alternate the dtypes, medians of
+    :data:`PROBE_PAIRS`. Decoding samples like ``step`` (:meth:`StepShape.probe_prompts`)."""
     text = getattr(config, "text_config", None) or config
     depth = int(text.num_hidden_layers)
     depths = sorted({min(d, depth) for d in PROBE_DEPTHS})
     dtypes = (torch.float32, torch.bfloat16)
-    phases = COPIES_PHASES if copies else PHASES
+    phases = step.phases(copies)
     medians: dict[tuple[torch.dtype, str, int], float] = {}
     for d in depths:
         probe = _with_depth(config, d)
@@ -388,18 +419,30 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
                 AutoConfig.from_pretrained(path),
                 cache_dir=default_cache_dir(),
                 threads=torch.get_num_threads(),
-                step=StepShape(
-                    prompts=cfg.data.train_batch_size,
-                    n=cfg.actor_rollout_ref.rollout.n,
-                    prompt_tokens=cfg.data.max_prompt_length,
-                    response_tokens=plan.response_length,
-                    ppo_epochs=cfg.actor_rollout_ref.actor.ppo_epochs,
-                ),
+                step=_step_of(cfg, plan, roles),
                 copies=copies,
             )
         choices.update(dict.fromkeys(roles, choice.dtype))
         log(choice.line(", ".join(sections[role] for role in roles)))
     return plan.with_dtypes(choices)
+
+
+def _step_of(cfg: Config, plan: RunPlan, roles: list[str]) -> StepShape:
+    """The step a group of roles reading one model prices: the run's batch and lengths; the epochs and
+    mini-batches of its first role's update (the critic's own section for a critic); its decoding
+    counted only for the actor's group sampled by the built-in engine from the trained weights with
+    ``rollout.dtype`` unset (the engine then computes in the actor's dtype: the one being chosen)."""
+    section = plan.critic_section if roles[0] == "critic" else cfg.actor_rollout_ref.actor
+    prompts = cfg.data.train_batch_size
+    return StepShape(
+        prompts=prompts,
+        n=cfg.actor_rollout_ref.rollout.n,
+        prompt_tokens=cfg.data.max_prompt_length,
+        response_tokens=plan.response_length,
+        ppo_epochs=section.ppo_epochs,
+        mini_batches=max(1, prompts // section.ppo_mini_batch_size),
+        decodes="actor" in roles and not plan.separate_rollout and plan.rollout_dtype_name is None,
+    )
 
 
 def announce_autocast(plan: RunPlan, device: str, log, world_of: Callable[[str], int] = lambda _: 1) -> None:

@@ -77,8 +77,11 @@ def test_a_lora_base_is_held_in_bf16_only_where_its_engine_samples_in_bf16(monke
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: True)
     arr = "actor_rollout_ref"
-    copies = (f"{arr}.model.lora_rank=4", f"{arr}.actor.fsdp_config.param_dtype=bfloat16",
-              f"{arr}.actor.fsdp_config.compute_copies=true")
+    copies = (
+        f"{arr}.model.lora_rank=4",
+        f"{arr}.actor.fsdp_config.param_dtype=bfloat16",
+        f"{arr}.actor.fsdp_config.compute_copies=true",
+    )
     split = ("trainer.placement=ray", f"{arr}.rollout.nnodes=1", f"{arr}.rollout.n_gpus_per_node=1")
     bf16, fp32 = f"{arr}.rollout.dtype=bfloat16", f"{arr}.rollout.dtype=float32"
 

@@ -227,6 +227,92 @@ def test_copies_time_bf16_from_compute_copies_with_their_refresh(tmp_path):
     assert "in bf16 autocast (" in autocast.reason
 
 
+def test_the_copies_refresh_after_every_optimizer_step(tmp_path):
+    # copies_timer's step at L = 30 (test above): bf16 9 + 36·9 + one refresh of 9 = 342. With 4
+    # mini-batches an epoch the copies refresh 4 times an epoch, 2 epochs: 9 + 2·(36·9 + 4·9) = 729;
+    # float32 holds no copies: 17 + 2·36·17 = 1241.
+    timer, _ = copies_timer()
+    step = StepShape(ppo_epochs=2, mini_batches=4)
+    choice = choose_cpu_dtype(
+        llama(), cache_dir=tmp_path, threads=1, native=True, timer=timer, copies=True, step=step
+    )
+    assert choice.bfloat16_s == pytest.approx(729, rel=1e-9)
+    assert choice.float32_s == pytest.approx(1241, rel=1e-9)
+    # under autocast there is nothing to refresh: mini-batches change nothing
+    timer, _ = copies_timer()
+    autocast = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=timer, step=step)
+    assert autocast.bfloat16_s == pytest.approx(9 + 2 * 36 * 9, rel=1e-9)
+
+
+def test_decoding_in_the_engines_own_dtype_is_neither_timed_nor_counted(tmp_path):
+    # Issue 47's CPU again (update 1.2x faster in bf16, decoding 2x slower): where decoding follows
+    # the choice the step loses in bf16; where the engine decodes in its own dtype (rollout.dtype set,
+    # vLLM) only the update differs, and bf16 wins it by 1.2x.
+    calls = []
+
+    def timer(config, dtype, phase, step, copies=False):
+        calls.append(phase)
+        base = 1.0 + 0.1 * config.num_hidden_layers
+        if phase == "decode":
+            return base * (3.0 if dtype == torch.float32 else 6.0)
+        return base if dtype == torch.float32 else base / 1.2
+
+    step = StepShape(decodes=False)
+    assert step.phases(False) == ("update",) and step.phases(True) == ("update", "refresh")
+    choice = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=timer, step=step)
+    assert set(calls) == {"update"}  # no decoding timed
+    # at L = 30 an update is 4 s in float32, 4 / 1.2 in bf16; the step's 36 of them and nothing else
+    assert choice.float32_s == pytest.approx(36 * 4.0, rel=1e-9)
+    assert choice.bfloat16_s == pytest.approx(36 * 4.0 / 1.2, rel=1e-9)
+    assert choice.dtype == "bfloat16"
+    assert "(1.20x: update 1.20x; decoding not counted: it runs in its engine's own dtype; bf16 from" in (
+        choice.reason
+    )
+    assert step_seconds({"update": 1.0}, step) == pytest.approx(36.0, rel=1e-12)
+    counted = choose_cpu_dtype(llama(), cache_dir=tmp_path, threads=1, native=True, timer=timer)
+    assert counted.dtype == "float32" and "prefill" in calls  # another key: measured afresh
+    assert len(list((tmp_path / "precision").glob("*.json"))) == 2
+
+
+def test_the_steps_cache_key_keeps_the_choices_cached_before_its_new_fields():
+    old = {"prompts": 8, "n": 8, "prompt_tokens": 128, "response_tokens": 128, "ppo_epochs": 1}
+    assert StepShape().key() == old
+    assert StepShape(mini_batches=2, decodes=False).key() == {**old, "mini_batches": 2, "decodes": False}
+
+
+def test_resolve_auto_prices_the_step_the_run_takes(tmp_path, monkeypatch):
+    llama(2).save_pretrained(tmp_path / "policy")
+    llama(3).save_pretrained(tmp_path / "critic")
+    steps = []
+
+    def choose(config, **kwargs):
+        steps.append(kwargs["step"])
+        return PrecisionChoice("bfloat16", "measured")
+
+    monkeypatch.setattr(calibrate, "choose_cpu_dtype", choose)
+
+    def resolve(*overrides):
+        steps.clear()
+        cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_dtype=auto", *overrides])
+        critic = str(tmp_path / "critic") if cfg.critic.model.path else None
+        files = RunFiles(str(tmp_path / "policy"), None, None, None, None, critic_path=critic)
+        resolve_auto(cfg, build_plan(cfg, files), gpu=False, log=lambda _: None)
+        return steps
+
+    batch = ("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
+    (step,) = resolve(*batch, "actor_rollout_ref.actor.ppo_epochs=2")
+    assert (step.prompts, step.mini_batches, step.ppo_epochs, step.decodes) == (16, 4, 2, True)
+    (step,) = resolve(*batch, "actor_rollout_ref.rollout.dtype=float32")
+    assert not step.decodes  # the engine decodes in float32 whichever dtype the actor takes
+    # a critic read from its own model: its own update's mini-batches, and it decodes nothing
+    ppo = ("algorithm.adv_estimator=gae", f"critic.model.path={tmp_path / 'critic'}")
+    actor, critic = resolve(
+        *batch, *ppo, "critic.ppo_mini_batch_size=8", "critic.model.fsdp_config.param_dtype=auto"
+    )
+    assert (actor.mini_batches, actor.decodes) == (4, True)
+    assert (critic.mini_batches, critic.decodes) == (2, False)
+
+
 def test_the_cache_keeps_autocast_and_copies_choices_apart(tmp_path):
     # bf16 autocast 1.89x faster; bf16 from copies slower than float32 (every phase 17.3 s against 17)
     fast, _ = linear_timer((2.0, 0.5), (1.5, 0.25))
