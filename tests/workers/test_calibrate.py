@@ -280,24 +280,35 @@ def test_the_steps_cache_key_keeps_the_choices_cached_before_its_new_fields():
     assert StepShape(mini_batches=2, decodes=False).key() == {**old, "mini_batches": 2, "decodes": False}
 
 
-def test_resolve_auto_prices_the_step_the_run_takes(tmp_path, monkeypatch):
+@pytest.fixture
+def resolver(tmp_path, monkeypatch):
+    """``resolve(*overrides) -> (plan, asks)``: :func:`resolve_auto` on CPU for a config with the actor's
+    ``param_dtype=auto`` and those overrides, the policy a 2-layer Llama (a critic's ``critic.model.path``
+    a 3-layer one), :func:`choose_cpu_dtype` replaced by a recorder of its keyword arguments (one dict
+    per probe asked for) choosing bf16."""
     llama(2).save_pretrained(tmp_path / "policy")
     llama(3).save_pretrained(tmp_path / "critic")
-    steps = []
+    asks: list[dict] = []
 
     def choose(config, **kwargs):
-        steps.append(kwargs["step"])
+        asks.append(kwargs)
         return PrecisionChoice("bfloat16", "measured")
 
     monkeypatch.setattr(calibrate, "choose_cpu_dtype", choose)
 
     def resolve(*overrides):
-        steps.clear()
+        asks.clear()
         cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_dtype=auto", *overrides])
         critic = str(tmp_path / "critic") if cfg.critic.model.path else None
         files = RunFiles(str(tmp_path / "policy"), None, None, None, None, critic_path=critic)
-        resolve_auto(cfg, build_plan(cfg, files), gpu=False, log=lambda _: None)
-        return steps
+        return resolve_auto(cfg, build_plan(cfg, files), gpu=False, log=lambda _: None), list(asks)
+
+    return resolve
+
+
+def test_resolve_auto_prices_the_step_the_run_takes(resolver, tmp_path):
+    def resolve(*overrides):
+        return [ask["step"] for ask in resolver(*overrides)[1]]
 
     batch = ("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
     (step,) = resolve(*batch, "actor_rollout_ref.actor.ppo_epochs=2")
@@ -377,34 +388,21 @@ def test_the_real_probe_computes_bf16_from_copies_without_autocast():
         _PROBES.clear()
 
 
-def test_resolve_auto_times_copies_when_the_actor_would_hold_them(tmp_path, monkeypatch):
-    llama(2).save_pretrained(tmp_path)
-    asked = []
+def test_resolve_auto_times_copies_when_the_actor_would_hold_them(resolver):
+    def asked(*overrides):
+        return [ask["copies"] for ask in resolver(*overrides)[1]]
 
-    def choose(config, **kwargs):
-        asked.append(kwargs["copies"])
-        return PrecisionChoice("bfloat16", "measured")
-
-    monkeypatch.setattr(calibrate, "choose_cpu_dtype", choose)
-
-    def resolve(*overrides):
-        cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_dtype=auto", *overrides])
-        files = RunFiles(str(tmp_path), None, None, None, None)
-        return resolve_auto(cfg, build_plan(cfg, files), gpu=False, log=lambda _: None)
-
-    plan = resolve("actor_rollout_ref.actor.fsdp_config.compute_copies=true")
-    assert asked == [True] and plan.param_dtype("actor") == "bfloat16"
-    resolve()
-    assert asked == [True, False]
+    plan, asks = resolver("actor_rollout_ref.actor.fsdp_config.compute_copies=true")
+    assert [ask["copies"] for ask in asks] == [True] and plan.param_dtype("actor") == "bfloat16"
+    assert asked() == [False]
     # actor and reference share the model: the actor's key decides, not the reference's own
     kl = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.fsdp_config.param_dtype=auto")
-    resolve(*kl, "actor_rollout_ref.ref.fsdp_config.compute_copies=true")
-    assert asked == [True, False, False]
-    resolve(*kl, "actor_rollout_ref.actor.fsdp_config.compute_copies=true")
-    assert asked == [True, False, False, True]
+    assert asked(*kl, "actor_rollout_ref.ref.fsdp_config.compute_copies=true") == [False]
+    assert asked(*kl, "actor_rollout_ref.actor.fsdp_config.compute_copies=true") == [True]
     # two worker processes: the model is sharded and computes under autocast whatever the key says
-    resolve("actor_rollout_ref.actor.fsdp_config.compute_copies=true", "trainer.n_gpus_per_node=2")
-    assert asked == [True, False, False, True, False]
+    assert asked("actor_rollout_ref.actor.fsdp_config.compute_copies=true", "trainer.n_gpus_per_node=2") == [
+        False
+    ]
 
 
 def test_unresolved_auto_is_the_default_dtype():
