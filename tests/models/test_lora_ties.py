@@ -12,6 +12,7 @@ from tearless.models.lora import add_lora, load_lora
 from tearless.models.weights import save_model
 from tests.models.test_copies import tiny
 from tests.tolerances import forward_terms, sum_tol
+from tests.workers.test_lora import nonzero_adapters
 
 RANK = 4
 TIED = (
@@ -30,16 +31,6 @@ def untied(directory):
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     model.save_pretrained(directory)
     return directory
-
-
-def trained_adapters(model, seed=0):
-    """B set to non-zero values (peft starts it at zero, which would leave every policy the base's)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
-    return model
 
 
 def test_lora_on_a_tied_head_is_refused_with_the_key_the_tie_and_the_fix():
@@ -82,7 +73,7 @@ def test_an_untied_head_takes_lora_and_its_merged_save_computes_the_trained_logi
     ids = torch.randint(3, base.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         before = base(input_ids=ids).logits
-    model = trained_adapters(add_lora(base, rank=RANK, alpha=8, target_modules="q_proj,lm_head"))
+    model = nonzero_adapters(add_lora(base, rank=RANK, alpha=8, target_modules="q_proj,lm_head"))
     with torch.no_grad():
         want = model(input_ids=ids).logits
     save_model(model, tmp_path / "merged", write=True, merged=True)
