@@ -106,7 +106,10 @@ class ModelConfig:
         "and its lora_alpha and target_modules are used. null = fresh adapters",
     )
     target_modules: Any = doc(
-        "all-linear", "layers given adapters: all-linear | a list (or comma-separated: q_proj,v_proj)"
+        "all-linear",
+        "layers given adapters: all-linear (every linear layer but the output head) | a list (or "
+        "comma-separated: q_proj,v_proj); a layer whose weight is tied to another (lm_head of a model with "
+        "tie_word_embeddings=true) is refused",
     )
     lora_save_merged: bool = doc(
         False, "with LoRA, checkpoints also hold actor_merged/: the merged model as a plain HF directory"

@@ -14,6 +14,8 @@ Checkpoints write the adapter (``adapter_config.json`` + ``adapter_model.safeten
 from __future__ import annotations
 
 import os
+import warnings
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -74,13 +76,17 @@ def add_lora(
         task_type=task_type,
     )
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():
+            # peft's warning on a tied target (by config name); _refuse_tied refuses it (by storage)
+            warnings.filterwarnings("ignore", message=r"Model has `tie_word_embeddings=True`")
+            wrapped = peft.get_peft_model(model, config)
     except ValueError as err:
         raise ValueError(
             f"{key}.target_modules={target_modules!r}: {err} Use all-linear or names "
             "of the model's linear layers (for Llama/Qwen: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
             "down_proj)"
         ) from None
+    _refuse_tied(wrapped, f"{key}.target_modules={target_modules!r}", "target_modules")
     if gradient_checkpointing:
         # With frozen embeddings nothing entering a checkpointed block requires grad, and the
         # recomputed blocks would get no gradient at all.
@@ -97,10 +103,60 @@ def load_lora(
 ):
     """The base model with a saved adapter loaded, trainable (to resume a LoRA run)."""
     peft = _peft(f"{key}.lora_rank")
-    model = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Model has `tie_word_embeddings=True`")  # as add_lora
+        model = peft.PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    _refuse_tied(model, f"the LoRA adapter in {adapter_dir}", "the target_modules of a new adapter")
     if gradient_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def tied_lora_layers(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Each LoRA layer of a peft ``model`` whose base weight is one tensor with other parameters or
+    buffers of the model (a tied LM head and embedding), with those others' names, in the plain model.
+
+    Ties are found by storage, not by the config's ``tie_word_embeddings`` or by names, so any
+    architecture and an embedding target are covered; storage identity rather than its address, as
+    every tensor of a meta-device skeleton has address 0.
+    """
+    from peft.tuners.lora import LoraLayer
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    plain = model.get_base_model()
+    holders: dict[StorageWeakRef, list[str]] = defaultdict(list)
+    tensors = [*plain.named_parameters(remove_duplicate=False), *plain.named_buffers(remove_duplicate=False)]
+    for name, t in tensors:
+        holders[StorageWeakRef(t.untyped_storage())].append(name.replace(".base_layer.", "."))
+    tied = {}
+    for name, layer in plain.named_modules():
+        if isinstance(layer, LoraLayer):
+            storage = StorageWeakRef(layer.get_base_layer().weight.untyped_storage())
+            others = [n for n in holders[storage] if not n.startswith(f"{name}.")]
+            if others:
+                tied[name] = others
+    return tied
+
+
+def _refuse_tied(model: torch.nn.Module, where: str, targets: str) -> None:
+    r"""Raise ``ValueError`` (one line: ``where``, the tied layers, the fix: drop them from ``targets``
+    or untie) if a LoRA layer's base weight is tied to another (:func:`tied_lora_layers`).
+
+    The adapter would train :math:`W + \Delta W` in that layer while the other keeps :math:`W`; a merged
+    save (:math:`W + \Delta W` and :math:`W` under a config that says they are one tensor) and an engine
+    that loads one tensor for both would silently hold another policy than the trained one.
+    """
+    tied = tied_lora_layers(model)
+    if not tied:
+        return
+    layers = ", ".join(tied)
+    what = "; ".join(f"{layer}'s weight is tied to {', '.join(others)}" for layer, others in tied.items())
+    raise ValueError(
+        f"{where}: {what} (one tensor). LoRA there would train {layers} apart from the weight it is tied "
+        "to, which a merged save or a rollout engine (one tensor for both) cannot hold: they would serve "
+        f"another policy than the trained one. Drop {layers} from {targets}, or untie the weights first "
+        "(a copy of the model saved with tie_word_embeddings=false, each weight its own)"
+    )
 
 
 def is_lora(model: torch.nn.Module) -> bool:

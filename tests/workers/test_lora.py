@@ -22,16 +22,21 @@ def base_and_batch(task):
     return build_batch(task.model_dir)
 
 
-def lora_copy(base, rank=4, seed=0):
-    """The base model with rank-``rank`` adapters on every linear layer, B set to non-zero values
-    (peft starts B at zero, which would make every comparison below trivially pass)."""
-    model = add_lora(copy.deepcopy(base), rank=rank, alpha=2 * rank, target_modules="all-linear")
+def nonzero_adapters(model, seed=0):
+    """``model`` with its LoRA B set to non-zero values (peft starts B at zero, which would make every
+    comparison of the adapted policy with the base one trivially pass)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return model
+
+
+def lora_copy(base, rank=4, seed=0):
+    """The base model with rank-``rank`` adapters on every linear layer, B non-zero."""
+    model = add_lora(copy.deepcopy(base), rank=rank, alpha=2 * rank, target_modules="all-linear")
+    return nonzero_adapters(model, seed)
 
 
 def test_only_adapters_require_grad_and_every_linear_layer_has_one(base_and_batch):
