@@ -36,8 +36,12 @@ def run_estimate(
     ``train_batch_size × n`` such sequences; bf16 compute on CUDA or where ``param_dtype`` asks for
     a 16-bit type, else float32. Activations and KV cache are upper bounds in the lengths: every
     sequence at its cap, and a group's prompt counted once per response although
-    ``share_prompt_forward`` forwards it once. The response cap, the roles and the actor's
-    ``param_dtype`` are ``plan``'s (the trainer's, ``auto`` measured; default :func:`build_plan`'s)."""
+    ``share_prompt_forward`` forwards it once. Compute copies and a LoRA base held in bf16 count only
+    where the models are not sharded (:meth:`RunPlan.sharded`: a group of ranks, or a role offloading
+    on one GPU, computes through FSDP2's mixed precision); with Ray's ``trainer.colocate=false`` the
+    reference, teacher and critic are on GPUs of their own and left out. The response cap, the roles
+    and the actor's ``param_dtype`` are ``plan``'s (the trainer's, ``auto`` measured; default
+    :func:`build_plan`'s)."""
     plan = plan or build_plan(cfg)
     arr, data = cfg.actor_rollout_ref, cfg.data
     actor, n, world = arr.actor, arr.rollout.n, world_size(cfg)
@@ -51,7 +55,9 @@ def run_estimate(
     chunking = actor.entropy_from_logits_with_chunking
     auto = device_defaults(device).chunk_logits and micro_tokens > chunk
     fused = arr.model.use_fused_kernels and arr.model.use_remove_padding
-    held = {r: world == 1 and plan.holds_copies(r, device) for r in ROLES}
+    unsharded = not plan.sharded(device, world)
+    held = {r: unsharded and plan.holds_copies(r, device) for r in ROLES}
+    own_pools = plan.uses_ray and not cfg.trainer.colocate  # each role's ranks its own GPUs
     return estimate(
         shape,
         world=world,
@@ -64,24 +70,27 @@ def run_estimate(
         chunked=fused or (auto if chunking is None else chunking),
         param_offload=actor.fsdp_config.param_offload,
         optimizer_offload=actor.fsdp_config.optimizer_offload,
-        reference="ref" in plan.roles,
-        teacher=None if teacher_config is None else ModelShape.from_config(teacher_config),
+        reference="ref" in plan.roles and not own_pools,
+        teacher=None if teacher_config is None or own_pools else ModelShape.from_config(teacher_config),
         teacher_offload=arr.teacher.fsdp_config.param_offload,
         copy_bytes=2 if held["actor"] else 0,
         reference_bytes=2 if held["ref"] else 4,
         teacher_bytes=2 if held["teacher"] else 4,
-        base_bytes=2 if world == 1 and plan.holds_base_in_copies(device) else 4,
-        critic=_critic(cfg, plan, critic_config or model_config, device, seq, copies=held["critic"]),
+        base_bytes=2 if unsharded and plan.holds_base_in_copies(device) else 4,
+        critic=None
+        if own_pools
+        else _critic(cfg, plan, critic_config or model_config, device, seq, copies=held["critic"]),
     )
 
 
 def _micro_tokens(section: Any, n: int, seq: int) -> int:
     """Tokens of one micro-batch of a trained role's ``section`` (the actor's, or the critic's as
     :attr:`RunPlan.critic_section` resolves it): ``ppo_max_token_len_per_gpu`` under
-    ``use_dynamic_bsz``, else ``ppo_micro_batch_size_per_gpu`` (or the mini-batch's ``n`` responses
-    per prompt) sequences of ``seq`` tokens."""
+    ``use_dynamic_bsz`` (one sequence of ``seq`` at least: a longer row is a micro-batch of its own),
+    else ``ppo_micro_batch_size_per_gpu`` (or the mini-batch's ``n`` responses per prompt) sequences
+    of ``seq`` tokens."""
     if section.use_dynamic_bsz:
-        return section.ppo_max_token_len_per_gpu
+        return max(section.ppo_max_token_len_per_gpu, seq)
     return (section.ppo_micro_batch_size_per_gpu or section.ppo_mini_batch_size * n) * seq
 
 
@@ -95,16 +104,15 @@ def _critic(
     cfg: Config, plan: RunPlan, config: Any, device: str, seq: int, *, copies: bool
 ) -> dict[str, int] | None:
     """The critic's parts of the actor rank's estimate (:func:`~tearless.models.memory.critic_part`)
-    when the run trains one on the actor's ranks (one process, or Ray's colocated pool), else None:
+    when the run trains one (on the actor's ranks: the caller leaves out Ray's pools of their own), else None:
     its micro-batches as :attr:`RunPlan.critic_section` resolves them, its dtype, ``copies``,
     checkpointing and offloads its own."""
-    world = world_size(cfg)
-    if "critic" not in plan.roles or not (world == 1 or cfg.trainer.colocate):
+    if "critic" not in plan.roles:
         return None
     fsdp = cfg.critic.model.fsdp_config
     return critic_part(
         ModelShape.from_config(config),
-        world=world,
+        world=world_size(cfg),
         compute_bytes=_compute_bytes(plan, "critic", device),
         micro_tokens=_micro_tokens(plan.critic_section, cfg.actor_rollout_ref.rollout.n, seq),
         checkpointing=cfg.critic.model.enable_gradient_checkpointing,

@@ -286,6 +286,16 @@ class RunPlan:
         actor = compute_dtype(self.param_dtype("actor"), device, role_key("actor"), warn=False)
         return self.hybrid_rollout_dtype(device, warn=False) != actor
 
+    def sharded(self, device: str, world: int) -> bool:
+        """Whether a training rank of a group of ``world`` ranks on ``device`` shards its models with
+        FSDP2: a group of several ranks, or one GPU process in which a role offloads its parameters or
+        optimizer state to CPU memory (FSDP2's offload, over a one-rank group). A sharded model
+        computes a reduced dtype through FSDP2's mixed precision, never from compute copies."""
+        offload = device == "cuda" and any(
+            f.param_offload or f.optimizer_offload for f in map(self.sections.fsdp, ROLES)
+        )
+        return world > 1 or offload
+
     def holds_copies(self, role: str, device: str) -> bool:
         """Whether ``role``'s model, unsharded on ``device``, computes from compute copies (a frozen
         one: holds its parameters in them; :mod:`tearless.models.copies`): its

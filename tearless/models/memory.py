@@ -7,7 +7,8 @@ width i, vocabulary V) trained with AdamW on float32 master weights, one rank ho
   actor's 4(N + T) (its base and its T adapter parameters); with compute copies in bf16 (one
   process) 2 bytes more for each, or 2N + 6T for a LoRA actor whose base is held in bf16;
 - **gradients** 4·T bytes for the T trained parameters (T = N, or the LoRA adapters' count);
-- **optimizer** 8·T bytes (AdamW's two float32 moments), 0 when offloaded;
+- **optimizer** 8·T bytes (AdamW's two float32 moments), 0 when offloaded (with the parameters too:
+  FSDP2's parameter offload keeps them, their gradients and so AdamW's state in CPU memory);
 - **activations** per token of a micro-batch, in the compute dtype (c bytes: 2 for bf16, 4 for
   float32) and the residual stream's dtype (r bytes, float32), what autograd keeps for the backward
   of each block
@@ -22,7 +23,8 @@ width i, vocabulary V) trained with AdamW on float32 master weights, one rank ho
 - **KV cache** of the rollout: 2·L·k·c bytes per token of every sequence the rank generates at once.
 
 Peak ≈ parameters + optimizer + max(gradients + activations, KV cache): the update and the rollout
-do not overlap in the colocated placement, and gradients are freed between steps. Weights of a
+do not overlap in the colocated placement, and gradients are freed once an update is done
+(:func:`~tearless.workers.schedule.run_plan`), so one role's are held at a time. Weights of a
 frozen reference (4N, no gradient or optimizer) add to both phases. A critic trained on the same rank
 (PPO) holds its weights and AdamW state (12N_c) throughout and adds a third phase, its own update
 (gradients 4N_c and its activations: :func:`critic_part`).
@@ -125,10 +127,11 @@ class MemoryEstimate:
 
     @property
     def state(self) -> int:
-        """Parameters, gradients, optimizer, reference, teacher and a colocated critic's (its
-        parameters, gradients and optimizer): what the rank holds whatever the lengths."""
-        actor = self.parameters + self.gradients + self.optimizer
-        return actor + self.reference + self.teacher + self.critic + self.critic_gradients
+        """Parameters, optimizer, reference, teacher and a colocated critic's parameters and optimizer,
+        with the larger of the actor's and the critic's gradients (each role's are freed once its
+        update is done): what the rank holds whatever the lengths."""
+        held = self.parameters + self.optimizer + self.reference + self.teacher + self.critic
+        return held + max(self.gradients, self.critic_gradients)
 
     @property
     def peak(self) -> int:
@@ -182,7 +185,7 @@ def critic_part(
     )
     return {
         "critic": (0 if param_offload else (4 + copy_bytes) * n // world)
-        + (0 if optimizer_offload else 8 * n // world),
+        + (0 if param_offload or optimizer_offload else 8 * n // world),
         "critic_gradients": 0 if param_offload else 4 * n // world,
         "critic_activations": per_token * micro_tokens,
     }
@@ -245,7 +248,7 @@ def estimate(
     return MemoryEstimate(
         parameters=0 if param_offload else weights // world,
         gradients=0 if param_offload else 4 * trained // world,
-        optimizer=0 if optimizer_offload else 8 * trained // world,
+        optimizer=0 if param_offload or optimizer_offload else 8 * trained // world,
         activation_per_token=activation_bytes_per_token(
             shape, compute_bytes=compute_bytes, checkpointing=checkpointing, chunked=chunked
         ),

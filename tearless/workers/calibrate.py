@@ -414,7 +414,7 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
         else:
             from transformers import AutoConfig  # only a pretrained model's run resolves auto
 
-            copies = plan.sections.compute_copies(roles[0]) and world_size(cfg) == 1
+            copies = plan.sections.compute_copies(roles[0]) and not plan.sharded("cpu", world_size(cfg))
             choice = choose_cpu_dtype(
                 AutoConfig.from_pretrained(path),
                 cache_dir=default_cache_dir(),

@@ -69,7 +69,6 @@ from tearless.workers.schedule import (
 from tearless.workers.scoring import score_responses
 from tearless.workers.spec import RankSpec, resolve_device, role_settings
 
-ROLES = ("actor", "ref", "teacher", "critic")
 TRAINED = ("actor", "critic")
 # A call to a rank is one of Rank's methods, passed as ``Rank.update`` (never its name as a string): a
 # worker group calls it on its rank in this process, or by name on a Ray actor (ray_group.Pool.submit).
@@ -174,11 +173,8 @@ class Rank:
         offload, over a one-rank group)."""
         spec = self.spec
         self.mesh = None
-        offload = self.device.type == "cuda" and any(
-            f.param_offload or f.optimizer_offload for f in map(spec.sections.fsdp, ROLES)
-        )
         self.owns_group = False
-        if not (self.world > 1 or spec.sharded or offload):
+        if not (spec.plan.sharded(self.device.type, self.world) or spec.sharded):
             return
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh

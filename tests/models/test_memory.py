@@ -105,8 +105,9 @@ def test_a_colocated_critic_by_hand_and_from_a_ppo_config():
     part = critic_part(s, compute_bytes=4, micro_tokens=10)
     assert part == {"critic": 2352, "critic_gradients": 784, "critic_activations": 2920}
     e = estimate(s, compute_bytes=4, micro_tokens=10, rollout_tokens=6, chunked=False, critic=part)
-    # state: the actor's 4·236 + 4·236 + 8·236 = 3,776, and the critic's 2,352 + 784.
-    assert e.state == 3776 + 3136
+    # state: the actor's weights and AdamW 4·236 + 8·236 = 2,832, the critic's 2,352, and the larger of
+    # the two gradients (each role's are freed once its update is done): the actor's 4·236 = 944.
+    assert e.state == 2832 + 2352 + 944
     # peak: the actor's weights and AdamW 2,832, the critic's 2,352, then the largest of the actor's
     # update (944 + 368·10), the critic's (784 + 2,920) and the KV cache (16·6).
     assert e.peak == 2832 + 2352 + max(944 + 3680, 784 + 2920, 96)
@@ -142,6 +143,23 @@ def test_a_colocated_critic_by_hand_and_from_a_ppo_config():
     apart = [*ppo, "trainer.placement=ray", "trainer.n_gpus_per_node=2", "trainer.colocate=false"]
     own_pool = load_config(None, apart, device="cuda", notify=lambda _: None)
     assert run_estimate(own_pool, config, "cuda").critic == 0
+    # One GPU a pool (world 1): the critic still has its own, as a separate reference and teacher do.
+    kl = "actor_rollout_ref.actor.use_kl_loss=true"
+    one = [*apart[:-2], "trainer.n_gpus_per_node=1", "trainer.colocate=false"]
+    e = run_estimate(load_config(None, [*one, kl], device="cuda", notify=lambda _: None), config, "cuda")
+    assert (e.critic, e.reference) == (0, 0)
+    colocated = load_config(None, [*one[:-1], kl], device="cuda", notify=lambda _: None)
+    e = run_estimate(colocated, config, "cuda")
+    assert (e.critic, e.reference) == (12 * QWEN_05B.parameters, 4 * QWEN_05B.parameters)
+    distill = ["algorithm.adv_estimator=on_policy_distill", "actor_rollout_ref.teacher.model.path=/t"]
+    for extra, teacher in (([], 4 * QWEN_05B.parameters), (["trainer.colocate=false"], 0)):
+        keys = [*distill, "trainer.placement=ray", "trainer.n_gpus_per_node=1", *extra]
+        cfg = load_config(None, keys, device="cuda", notify=lambda _: None)
+        assert run_estimate(cfg, config, "cuda", config).teacher == teacher
+    # A critic budget under one sequence: a longer row is a micro-batch of its own, priced at its length.
+    short = [*ppo[:1], "critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=50"]
+    e = run_estimate(load_config(None, short, device="cuda", notify=lambda _: None), config, "cuda")
+    assert e.critic_activations == seq * per_token
 
 
 def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
@@ -185,6 +203,34 @@ def test_compute_copies_add_two_bytes_per_parameter_and_halve_the_reference():
     two = [*keys, "trainer.placement=ray", "trainer.n_gpus_per_node=2"]
     sharded = run_estimate(load_config(None, two, device="cuda", notify=lambda _: None), config, "cuda")
     assert (sharded.parameters, sharded.reference) == (4 * n // 2, 4 * n // 2)
+
+
+def test_offloads_on_one_gpu_shard_the_models_and_hold_no_optimizer_state():
+    # Any role's offload on one GPU makes FSDP2 shard every model over a one-rank group: they compute
+    # through its mixed precision, so compute_copies adds no copy and a LoRA base stays float32. With
+    # the parameters offloaded, their gradients and AdamW's state are in CPU memory too.
+    n, arr = QWEN_05B.parameters, "actor_rollout_ref"
+    config = Qwen2Config(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    )  # fmt: skip
+    t = QWEN_05B.lora_parameters(8)
+    lora = [f"{arr}.model.lora_rank=8", f"{arr}.actor.fsdp_config.compute_copies=true"]
+    for offload in (
+        f"{arr}.actor.fsdp_config.optimizer_offload=true",
+        "critic.model.fsdp_config.param_offload=true",
+    ):
+        cfg = load_config(
+            None, [*lora, offload, "algorithm.adv_estimator=gae"], device="cuda", notify=lambda _: None
+        )
+        assert run_estimate(cfg, config, "cuda").parameters == 4 * (n + t)
+    cfg = load_config(None, lora, device="cuda", notify=lambda _: None)
+    assert run_estimate(cfg, config, "cuda").parameters == 2 * n + 6 * t  # unsharded: the base in bf16
+    offloaded = [f"{arr}.actor.fsdp_config.param_offload=true", "algorithm.adv_estimator=gae"]
+    offloaded.append("critic.model.fsdp_config.param_offload=true")
+    e = run_estimate(load_config(None, offloaded, device="cuda", notify=lambda _: None), config, "cuda")
+    assert (e.parameters, e.gradients, e.optimizer, e.critic, e.critic_gradients) == (0, 0, 0, 0, 0)
+    assert e.state == 0
 
 
 def test_only_a_state_that_cannot_fit_is_refused_and_an_activation_bound_over_the_card_warns():
