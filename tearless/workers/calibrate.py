@@ -53,7 +53,10 @@ its own, r, extrapolated in depth like the others and counted once per optimizer
 
     step₁₆ += ppo_epochs · k · r
 
-(k mini-batches an epoch: ``train_batch_size / ppo_mini_batch_size``, :attr:`StepShape.mini_batches`);
+(k optimizer steps an epoch, :attr:`StepShape.refreshes`: ``train_batch_size / ppo_mini_batch_size``
+for a fully trained model; 0 for a LoRA actor, whose copies of its adapters alone cost next to
+nothing to refresh, and for a frozen role's group, which holds its parameters in bf16 and refreshes
+nothing);
 
 the float32 candidate holds no copies (r = 0) and is timed as without them.
 
@@ -107,15 +110,15 @@ SHAPE_FIELDS = (
 class StepShape:
     """What one RL step computes: ``prompts`` prompts of up to ``prompt_tokens`` tokens, each sampled
     ``n`` times (``rollout.n``) up to ``response_tokens`` tokens, and ``ppo_epochs`` update passes of
-    ``mini_batches`` optimizer steps each; its decoding counted only when it ``decodes`` in the dtype
-    being chosen."""
+    ``refreshes`` refreshes of the whole model's copies each; its decoding counted only when it
+    ``decodes`` in the dtype being chosen."""
 
     prompts: int = 8
     n: int = 8
     prompt_tokens: int = 128
     response_tokens: int = 128
     ppo_epochs: int = 1
-    mini_batches: int = 1  # optimizer steps per epoch: the copies refresh after each
+    refreshes: int = 1  # whole-model copies refreshes per epoch (one per optimizer step)
     decodes: bool = True  # whether decoding computes in the dtype chosen (module docstring)
 
     @property
@@ -128,7 +131,7 @@ class StepShape:
         return {
             k: v
             for k, v in asdict(self).items()
-            if not (k in ("mini_batches", "decodes") and v == getattr(StepShape, k))
+            if not (k in ("refreshes", "decodes") and v == getattr(StepShape, k))
         }
 
     def phases(self, copies: bool) -> tuple[str, ...]:
@@ -272,7 +275,7 @@ def _update_seconds(phases: dict[str, float], step: StepShape) -> float:
     # a group's prompt is forwarded once (share_prompt_forward), each response once
     tokens = step.prompts * step.prompt_tokens + step.rows * step.response_tokens
     update = phases["update"] * tokens / (PROBE_ROWS * PROBE_TOKENS)
-    return step.ppo_epochs * (update + step.mini_batches * phases.get("refresh", 0.0))
+    return step.ppo_epochs * (update + step.refreshes * phases.get("refresh", 0.0))
 
 
 def phase_seconds(
@@ -428,19 +431,22 @@ def resolve_auto(cfg: Config, plan: RunPlan, *, gpu: bool, log) -> RunPlan:
 
 
 def _step_of(cfg: Config, plan: RunPlan, roles: list[str]) -> StepShape:
-    """The step a group of roles reading one model prices: the run's batch and lengths; the epochs and
-    mini-batches of its first role's update (the critic's own section for a critic); its decoding
-    counted only for the actor's group sampled by the built-in engine from the trained weights with
-    ``rollout.dtype`` unset (the engine then computes in the actor's dtype: the one being chosen)."""
-    section = plan.critic_section if roles[0] == "critic" else cfg.actor_rollout_ref.actor
-    prompts = cfg.data.train_batch_size
+    """The step a group of roles reading one model prices: the run's batch and lengths; the epochs of
+    its first role's update (the critic's own section for a critic; one pass for a frozen role's
+    group, the reference's or teacher's log-probs, priced as an update) and the copies' refreshes
+    (module docstring); its decoding counted only for the actor's group sampled by the built-in engine
+    from the trained weights with ``rollout.dtype`` unset (the engine then computes in the actor's
+    dtype: the one being chosen)."""
+    first, prompts = roles[0], cfg.data.train_batch_size
+    section = plan.critic_section if first == "critic" else cfg.actor_rollout_ref.actor
+    trained = first == "critic" or (first == "actor" and plan.sections.model.lora_rank == 0)
     return StepShape(
         prompts=prompts,
         n=cfg.actor_rollout_ref.rollout.n,
         prompt_tokens=cfg.data.max_prompt_length,
         response_tokens=plan.response_length,
-        ppo_epochs=section.ppo_epochs,
-        mini_batches=max(1, prompts // section.ppo_mini_batch_size),
+        ppo_epochs=section.ppo_epochs if first in ("actor", "critic") else 1,
+        refreshes=max(1, prompts // section.ppo_mini_batch_size) if trained else 0,
         decodes="actor" in roles and not plan.separate_rollout and plan.rollout_dtype_name is None,
     )
 

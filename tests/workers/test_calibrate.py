@@ -232,7 +232,7 @@ def test_the_copies_refresh_after_every_optimizer_step(tmp_path):
     # mini-batches an epoch the copies refresh 4 times an epoch, 2 epochs: 9 + 2·(36·9 + 4·9) = 729;
     # float32 holds no copies: 17 + 2·36·17 = 1241.
     timer, _ = copies_timer()
-    step = StepShape(ppo_epochs=2, mini_batches=4)
+    step = StepShape(ppo_epochs=2, refreshes=4)
     choice = choose_cpu_dtype(
         llama(), cache_dir=tmp_path, threads=1, native=True, timer=timer, copies=True, step=step
     )
@@ -277,15 +277,15 @@ def test_decoding_in_the_engines_own_dtype_is_neither_timed_nor_counted(tmp_path
 def test_the_steps_cache_key_keeps_the_choices_cached_before_its_new_fields():
     old = {"prompts": 8, "n": 8, "prompt_tokens": 128, "response_tokens": 128, "ppo_epochs": 1}
     assert StepShape().key() == old
-    assert StepShape(mini_batches=2, decodes=False).key() == {**old, "mini_batches": 2, "decodes": False}
+    assert StepShape(refreshes=2, decodes=False).key() == {**old, "refreshes": 2, "decodes": False}
 
 
 @pytest.fixture
 def resolver(tmp_path, monkeypatch):
     """``resolve(*overrides) -> (plan, asks)``: :func:`resolve_auto` on CPU for a config with the actor's
     ``param_dtype=auto`` and those overrides, the policy a 2-layer Llama (a critic's ``critic.model.path``
-    a 3-layer one), :func:`choose_cpu_dtype` replaced by a recorder of its keyword arguments (one dict
-    per probe asked for) choosing bf16."""
+    and a teacher's a 3-layer one), :func:`choose_cpu_dtype` replaced by a recorder of its keyword
+    arguments (one dict per probe asked for) choosing bf16."""
     llama(2).save_pretrained(tmp_path / "policy")
     llama(3).save_pretrained(tmp_path / "critic")
     asks: list[dict] = []
@@ -300,7 +300,8 @@ def resolver(tmp_path, monkeypatch):
         asks.clear()
         cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.param_dtype=auto", *overrides])
         critic = str(tmp_path / "critic") if cfg.critic.model.path else None
-        files = RunFiles(str(tmp_path / "policy"), None, None, None, None, critic_path=critic)
+        teacher = str(tmp_path / "critic") if cfg.actor_rollout_ref.teacher.model.path else None
+        files = RunFiles(str(tmp_path / "policy"), None, None, None, teacher, critic_path=critic)
         return resolve_auto(cfg, build_plan(cfg, files), gpu=False, log=lambda _: None), list(asks)
 
     return resolve
@@ -312,7 +313,7 @@ def test_resolve_auto_prices_the_step_the_run_takes(resolver, tmp_path):
 
     batch = ("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=4")
     (step,) = resolve(*batch, "actor_rollout_ref.actor.ppo_epochs=2")
-    assert (step.prompts, step.mini_batches, step.ppo_epochs, step.decodes) == (16, 4, 2, True)
+    assert (step.prompts, step.refreshes, step.ppo_epochs, step.decodes) == (16, 4, 2, True)
     (step,) = resolve(*batch, "actor_rollout_ref.rollout.dtype=float32")
     assert not step.decodes  # the engine decodes in float32 whichever dtype the actor takes
     # a critic read from its own model: its own update's mini-batches, and it decodes nothing
@@ -320,8 +321,16 @@ def test_resolve_auto_prices_the_step_the_run_takes(resolver, tmp_path):
     actor, critic = resolve(
         *batch, *ppo, "critic.ppo_mini_batch_size=8", "critic.model.fsdp_config.param_dtype=auto"
     )
-    assert (actor.mini_batches, actor.decodes) == (4, True)
-    assert (critic.mini_batches, critic.decodes) == (2, False)
+    assert (actor.refreshes, actor.decodes) == (4, True)
+    assert (critic.refreshes, critic.decodes) == (2, False)
+    # a LoRA actor refreshes only its adapters' copies: not counted
+    (step,) = resolve(*batch, "actor_rollout_ref.model.lora_rank=4")
+    assert (step.refreshes, step.ppo_epochs, step.decodes) == (0, 1, True)
+    # a teacher of its own model: one log-prob pass a step, frozen (no refresh), no decoding
+    distill = ("algorithm.adv_estimator=on_policy_distill", "actor_rollout_ref.teacher.model.path=t")
+    epochs = "actor_rollout_ref.actor.ppo_epochs=2"
+    _, teacher = resolve(*batch, *distill, epochs, "actor_rollout_ref.teacher.fsdp_config.param_dtype=auto")
+    assert (teacher.refreshes, teacher.ppo_epochs, teacher.decodes) == (0, 1, False)
 
 
 def test_the_cache_keeps_autocast_and_copies_choices_apart(tmp_path):
