@@ -14,8 +14,10 @@ from tearless.cli import format_summary, main, one_line
 
 
 def cli(*args, timeout=120, **kwargs):
-    """Run ``tearless <args>`` (the installed console script, else ``python -m tearless.cli``)."""
-    exe = shutil.which("tearless")
+    """Run ``tearless <args>``: the console script installed beside the interpreter running the tests,
+    else ``python -m tearless.cli``. Not the first ``tearless`` on PATH: from a virtual environment run
+    without activating it, that is another interpreter's script, which imports another tearless or none."""
+    exe = shutil.which("tearless", path=os.path.dirname(sys.executable))
     cmd = [exe] if exe else [sys.executable, "-m", "tearless.cli"]
     env = {**os.environ, "TEARLESS_CACHE": "/nonexistent/tearless-cache"}  # never build the default task
     return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, env=env, **kwargs)
