@@ -45,11 +45,14 @@ Its dry run uses a tiny shape.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
+import shutil
 import socket
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -89,6 +92,7 @@ def check(name: str) -> Callable[[Callable[..., dict]], Callable[..., None]]:
             write_results()
             shown = "  ".join(f"{k}={v}" for k, v in numbers.items())
             print(f"{'PASS' if ok else 'FAIL'} {name}: {shown}{'  -- ' + why if why else ''}", flush=True)
+            gc.collect()  # a check's model can sit in a reference cycle: freed before the next check's peak
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
@@ -525,13 +529,19 @@ def main(argv: list[str] | None = None) -> int:
     from tearless.tasks.bootstrap import TaskSpec
     from tearless.trainers.warmup import prepare_task
 
+    # torch.compile's GPU kernels (triton) build small C launchers: without a C compiler and Python's
+    # headers the compiled checks fail, and this line says why
+    headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
     print(f"gpu_check: torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"device {torch.cuda.get_device_name(0) if not dry else 'cpu (dry run)'}", flush=True)  # fmt: skip
+          f"device {torch.cuda.get_device_name(0) if not dry else 'cpu (dry run)'}, "
+          f"C compiler {shutil.which('gcc') or shutil.which('cc') or 'none'}, Python.h "
+          f"{'found' if headers else 'missing'}", flush=True)  # fmt: skip
     OUT.extend([Path(args.out)] if args.out else [])
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    spec = TaskSpec(num_train=400, num_val=100, warmup_steps=20 if dry else 300)
-    task = prepare_task(spec, os.environ.get("TEARLESS_CACHE", str(work / "cache")), log=lambda _: None)
     tiers = {"real": real_scale_checks, "fit": fit_checks}
+    # the real and fit tiers read only the task's tokenizer: its model needs no real warm-up
+    spec = TaskSpec(num_train=400, num_val=100, warmup_steps=20 if dry or args.tier in tiers else 300)
+    task = prepare_task(spec, os.environ.get("TEARLESS_CACHE", str(work / "cache")), log=lambda _: None)
     checks = (
         tiers[args.tier](task, device, args)
         if args.tier in tiers

@@ -32,6 +32,7 @@ bf16 KV cache of every sequence) over the card's HBM bandwidth (:func:`decode_li
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import statistics
 import time
@@ -243,6 +244,12 @@ def fit(task, name: str, device: str, sequences: int, prompt: int, response: int
     from tearless.models import precision
 
     shape, rank, extra = FITS[name]
+    # LoRA needs peft (and peft accelerate), which the GPU machine has only if carried: say so before
+    # a 7B model is built for nothing
+    missing = [m for m in ("peft", "accelerate") if rank and importlib.util.find_spec(m) is None]
+    if missing:
+        why = f"LoRA needs {' and '.join(missing)}: carry their wheels (docs/development.md)"
+        return {"finite": False, "why": why}
     if device == "cpu" and extra:  # the dry run computes in bf16 too (emulated here: tiny shapes only)
         with mock.patch.object(precision, "cpu_has_native_bf16", return_value=True):
             keys = (*extra, f"{ARR}.actor.fsdp_config.param_dtype=bfloat16")

@@ -26,10 +26,13 @@ from tearless.models.vision import language_lora_targets
 def _peft(key: str):
     try:
         import peft
-    except ImportError:
+    except ImportError as err:
+        # peft itself, or a package peft imports (accelerate): name the one missing
+        dependency = err.name if err.name and err.name.split(".")[0] != "peft" else None
+        what = f"the peft package, which could not import {dependency}" if dependency else "the peft package"
         raise ImportError(
-            f"{key} > 0 needs the peft package: pip install 'tearless[lora]' (or pip install peft), "
-            "or set it to 0 for full fine-tuning"
+            f"{key} > 0 needs {what}: pip install 'tearless[lora]' (or pip install peft"
+            f"{' ' + dependency if dependency else ''}), or set it to 0 for full fine-tuning"
         ) from None
     return peft
 

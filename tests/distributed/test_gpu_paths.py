@@ -197,6 +197,28 @@ def test_the_gpu_checks_fit_tier_dry_run_passes_on_cpu(tmp_path):
         assert r["finite"] and 1.0 < r["parameters_over_estimate"] < 1.005, r
 
 
+def test_a_fit_check_without_loras_packages_fails_before_building_its_model(monkeypatch):
+    # The GPU machine has only the wheels carried to it: a LoRA fit check without peft (or the
+    # accelerate peft imports) says so at once instead of building a 7B model and failing in peft.
+    import importlib.util
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
+    try:
+        import gpu_scale
+    finally:
+        sys.path.pop(0)
+    find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find(name, *a)
+    )
+    monkeypatch.setattr(gpu_scale, "_fit", lambda *a, **k: pytest.fail("built a model"))
+    numbers = gpu_scale.fit(None, "7b_lora", "cpu", 16, 8, 16)
+    assert numbers == {
+        "finite": False,
+        "why": "LoRA needs accelerate: carry their wheels (docs/development.md)",
+    }
+
+
 def test_the_real_scale_tiers_flops_and_bandwidth_limit_by_hand():
     sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     try:

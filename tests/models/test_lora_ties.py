@@ -116,3 +116,29 @@ def test_tearless_train_refuses_it_in_one_line(overrides, tmp_path, capsys):
     debug = "(set TEARLESS_DEBUG=1 for the traceback)"
     assert err.strip().splitlines()[-1] == f"tearless: error: ValueError: {line} {debug}"
     assert "Traceback" not in err
+
+
+def test_a_missing_peft_or_a_package_peft_imports_is_named(monkeypatch, tmp_path):
+    import sys
+
+    from tearless.models.lora import _peft
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # not installed
+    with pytest.raises(ImportError) as err:
+        _peft("actor_rollout_ref.model.lora_rank")
+    assert str(err.value) == (
+        "actor_rollout_ref.model.lora_rank > 0 needs the peft package: pip install 'tearless[lora]' (or pip "
+        "install peft), or set it to 0 for full fine-tuning"
+    )
+    # installed, but a package it imports is not (accelerate, on a machine given peft's wheel alone)
+    (tmp_path / "peft").mkdir()
+    (tmp_path / "peft" / "__init__.py").write_text("import accelerate_not_installed_here\n")
+    monkeypatch.delitem(sys.modules, "peft")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError) as err:
+        _peft("actor_rollout_ref.model.lora_rank")
+    assert str(err.value) == (
+        "actor_rollout_ref.model.lora_rank > 0 needs the peft package, which could not import "
+        "accelerate_not_installed_here: pip install 'tearless[lora]' (or pip install peft "
+        "accelerate_not_installed_here), or set it to 0 for full fine-tuning"
+    )
