@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from tearless.distributed.fsdp import full_tensor, local_tensor
 from tearless.models.copies import holds_frozen
@@ -40,9 +41,13 @@ def _lora_delta(module: torch.nn.Module) -> torch.Tensor:
 
 def _storage_key(value: torch.Tensor) -> tuple:
     """What makes two state entries one tensor (tied): the same storage, offset, shape and strides
-    (of the local shard, for FSDP2's DTensors; the full shape)."""
+    (of the local shard, for FSDP2's DTensors; the full shape). The storage by its identity, not its
+    address: an empty local shard (a parameter with fewer rows than ranks) has address 0 whatever
+    tensor it is, so two of one shape would look tied on that rank alone, which would then skip a
+    gather the other ranks wait in; a tie is one storage on every rank."""
     local = local_tensor(value)
-    return (local.untyped_storage().data_ptr(), local.storage_offset(), local.stride(), tuple(value.shape))
+    storage = StorageWeakRef(local.untyped_storage())
+    return (storage, local.storage_offset(), local.stride(), tuple(value.shape))
 
 
 def _gathered(

@@ -257,3 +257,18 @@ def test_only_tied_entries_share_a_cast_and_views_of_one_storage_are_not_tied():
     assert out["embed"] is out["head"] and out["embed"].dtype == torch.bfloat16
     assert torch.equal(out["top"], rows[:2].to(torch.bfloat16))
     assert torch.equal(out["bottom"], rows[2:].to(torch.bfloat16))
+
+
+def test_empty_shards_are_tied_by_their_storage_not_its_address():
+    # A parameter with fewer rows than ranks has an empty shard on some rank, whose storage address
+    # is 0 for every such shard: keyed by address, two of one shape would be "tied" on that rank
+    # only, and it would skip a gather the other ranks wait in. Plain empty tensors stand for them;
+    # a state dict's entries for one tied parameter are views of one storage (detach()).
+    from tearless.models.weights import _gathered, _storage_key
+
+    a, b = torch.empty(0, 3), torch.empty(0, 3)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() == 0
+    assert _storage_key(a) != _storage_key(b) and _storage_key(a) == _storage_key(a.detach())
+    out = list(_gathered({"a": a, "b": b, "a_again": a.detach()}))
+    assert [name for name, _ in out] == ["a", "b", "a_again"]
+    assert out[2][1] is out[0][1] and out[1][1] is not out[0][1]  # one storage stays one tensor
