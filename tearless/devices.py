@@ -31,6 +31,9 @@ class DeviceDefaults:
     of tokens at a time (:func:`tearless.models.chunked.chunked_logits_logprobs`).
     ``lora_adapter_sync``: with ``rollout.lora_sync`` unset, a vLLM engine of a LoRA run takes only the
     adapter at each sync and serves it through vLLM's LoRA kernels (else the merged weights).
+    ``free_gradients``: an update frees its gradients once it is done
+    (:func:`tearless.workers.schedule.run_plan`), so the rollout and the other role's update do not
+    hold them; else they stay until the next update's first mini-batch.
     """
 
     remove_padding: bool
@@ -39,6 +42,7 @@ class DeviceDefaults:
     bucket_overhead_tokens: int
     chunk_logits: bool
     lora_adapter_sync: bool
+    free_gradients: bool
 
 
 DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
@@ -55,6 +59,9 @@ DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
         # Measured on SmolLM2-135M, r = 8 (BENCHMARKS.md, "LoRA through vLLM"): the adapter's sync takes
         # 0.06 s against 0.85 s merged, but vLLM's CPU LoRA kernels made the step 1.46x slower.
         lora_adapter_sync=False,
+        # Freed, the next update's gradients take fresh pages from the OS: 2-3% of the embedded run's
+        # update (BENCHMARKS.md, "Gradients between updates"), for memory a CPU rarely lacks.
+        free_gradients=False,
     ),
     # Measured on an H200 (issue 41): one more forward of a 220M model costs as much as ~10k tokens.
     # A 16k-token micro-batch at 151,936 logits is 9.3 GiB per float32 copy: chunked.
@@ -66,6 +73,9 @@ DEVICE_DEFAULTS: dict[str, DeviceDefaults] = {
         chunk_logits=True,
         # A 7B model's merged sync moves ~12.6 GiB in bf16 every step; its r = 8 adapter ~38 MiB.
         lora_adapter_sync=True,
+        # The caching allocator hands the memory back at no cost; held, a 1.5B actor's 5.8 GiB of
+        # gradients would sit through the rollout beside its KV cache.
+        free_gradients=True,
     ),
 }
 

@@ -80,6 +80,7 @@ def run_estimate(
         critic=None
         if own_pools
         else _critic(cfg, plan, critic_config or model_config, device, seq, copies=held["critic"]),
+        frees_gradients=device_defaults(device).free_gradients,
     )
 
 

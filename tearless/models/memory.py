@@ -23,8 +23,10 @@ width i, vocabulary V) trained with AdamW on float32 master weights, one rank ho
 - **KV cache** of the rollout: 2·L·k·c bytes per token of every sequence the rank generates at once.
 
 Peak ≈ parameters + optimizer + max(gradients + activations, KV cache): the update and the rollout
-do not overlap in the colocated placement, and gradients are freed once an update is done
-(:func:`~tearless.workers.schedule.run_plan`), so one role's are held at a time. Weights of a
+do not overlap in the colocated placement, and on a GPU gradients are freed once an update is done
+(:func:`~tearless.workers.schedule.run_plan`), so one role's are held at a time; on a CPU they stay
+until the next update (:attr:`~tearless.devices.DeviceDefaults.free_gradients`), held through every
+phase. Weights of a
 frozen reference (4N, no gradient or optimizer) add to both phases. A critic trained on the same rank
 (PPO) holds its weights and AdamW state (12N_c) throughout and adds a third phase, its own update
 (gradients 4N_c and its activations: :func:`critic_part`).
@@ -116,6 +118,7 @@ class MemoryEstimate:
     critic: int = 0  # a colocated critic's parameters and AdamW state, held through the step
     critic_gradients: int = 0  # its gradients and its activations, during its own update
     critic_activations: int = 0
+    frees_gradients: bool = True  # an update frees its gradients once done (else they stay to the next)
 
     @property
     def activations(self) -> int:
@@ -126,18 +129,25 @@ class MemoryEstimate:
         return self.kv_per_token * self.rollout_tokens
 
     @property
-    def state(self) -> int:
-        """Parameters, optimizer, reference, teacher and a colocated critic's parameters and optimizer,
-        with the larger of the actor's and the critic's gradients (each role's are freed once its
-        update is done): what the rank holds whatever the lengths."""
+    def _held(self) -> int:
+        """Held through every phase: parameters, optimizer, reference, teacher, a colocated critic's
+        parameters and optimizer, and both roles' gradients where an update does not free them."""
         held = self.parameters + self.optimizer + self.reference + self.teacher + self.critic
-        return held + max(self.gradients, self.critic_gradients)
+        return held + (0 if self.frees_gradients else self.gradients + self.critic_gradients)
+
+    @property
+    def state(self) -> int:
+        """What the rank holds whatever the lengths: :attr:`_held`, and where updates free their
+        gradients the larger of the actor's and the critic's (one role's at a time)."""
+        freed = max(self.gradients, self.critic_gradients) if self.frees_gradients else 0
+        return self._held + freed
 
     @property
     def peak(self) -> int:
-        held = self.parameters + self.optimizer + self.reference + self.teacher + self.critic
-        critic_update = self.critic_gradients + self.critic_activations
-        return held + max(self.gradients + self.activations, critic_update, self.kv_cache)
+        """:attr:`_held` plus the largest phase: the actor's update, the critic's, the rollout's KV
+        cache (each update with its own gradients where they are freed between updates)."""
+        g, cg = (self.gradients, self.critic_gradients) if self.frees_gradients else (0, 0)
+        return self._held + max(g + self.activations, cg + self.critic_activations, self.kv_cache)
 
     def line(self, where: str) -> str:
         """One line: each part in GiB and the peak."""
@@ -228,6 +238,7 @@ def estimate(
     teacher_bytes: int = 4,
     base_bytes: int = 4,
     critic: dict[str, int] | None = None,
+    frees_gradients: bool = True,
 ) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of one rank: parameters, gradients and optimizer state divided by
     ``world`` (FSDP2's full sharding); ``micro_tokens`` tokens in one micro-batch's forward and
@@ -239,7 +250,8 @@ def estimate(
     ``compute_copies`` in bf16, else 0); ``reference_bytes``, ``teacher_bytes``: those of the
     reference's and the teacher's parameters (2 when held in bf16); ``base_bytes``: those of a LoRA
     actor's frozen base (2 when held in bf16 with its copies: then only the adapters have copies);
-    ``critic``: a colocated critic's parts (:func:`critic_part`)."""
+    ``critic``: a colocated critic's parts (:func:`critic_part`); ``frees_gradients``: whether an update
+    frees its gradients once done (:class:`MemoryEstimate`)."""
     n = shape.parameters
     trained = shape.lora_parameters(lora_rank) if lora_rank > 0 else n
     base = n if lora_rank > 0 else 0  # a LoRA actor's frozen base; its adapters come on top of it
@@ -258,4 +270,5 @@ def estimate(
         reference=0 if param_offload or not reference or lora_rank else reference_bytes * n // world,
         teacher=0 if teacher is None or teacher_offload else teacher_bytes * teacher.parameters // world,
         **(critic or {}),
+        frees_gradients=frees_gradients,
     )

@@ -34,6 +34,7 @@ import torch
 from tensordict import TensorDict
 
 from tearless.algos import agg_loss
+from tearless.devices import device_defaults
 from tearless.distributed.fsdp import clip_grad_norm
 
 
@@ -312,7 +313,9 @@ def run_plan(
     ``role.micro_loss(mb, norm, flags)`` returns a micro-batch's globally normalised loss and metrics.
     A step is skipped (parameters, moments and step count untouched; ``skipped_steps`` + 1) when any
     rank's loss or the global gradient norm is not finite: a NaN loss can come with a finite gradient
-    from a term that does not reach the parameters. The scheduler steps once per call. Returns (metrics
+    from a term that does not reach the parameters. Where the device frees gradients after an update
+    (:attr:`~tearless.devices.DeviceDefaults.free_gradients`: on a GPU) they are freed once the last
+    step is done. The scheduler steps once per call. Returns (metrics
     that add up over ranks, averaged over steps; metrics equal on every rank).
     """
     s = role.settings
@@ -347,12 +350,13 @@ def run_plan(
             role.optimizer.step()
         else:
             role.skipped_steps += 1
+            role.optimizer.zero_grad(set_to_none=True)  # nothing non-finite is left for a later step
         norm64 = grad_norm.detach().to(torch.float64)
         grad_norms = norm64 if grad_norms is None else grad_norms + norm64
-    # Freed here, not only at the next step's start: through the rollout and the other role's update
-    # they would hold 4 bytes a trained parameter that nothing reads (the memory estimate counts one
-    # role's gradients at a time).
-    role.optimizer.zero_grad(set_to_none=True)
+    if role.params and device_defaults(role.params[0].device.type).free_gradients:
+        # through the rollout and the other role's update they would hold 4 bytes a trained parameter
+        # that nothing reads (the memory estimate counts one role's at a time where they are freed)
+        role.optimizer.zero_grad(set_to_none=True)
     count = max(1, len(steps))
     shared = {
         f"{s.prefix}/grad_norm": (0.0 if grad_norms is None else float(grad_norms)) / count,

@@ -111,6 +111,18 @@ def test_a_colocated_critic_by_hand_and_from_a_ppo_config():
     # peak: the actor's weights and AdamW 2,832, the critic's 2,352, then the largest of the actor's
     # update (944 + 368·10), the critic's (784 + 2,920) and the KV cache (16·6).
     assert e.peak == 2832 + 2352 + max(944 + 3680, 784 + 2920, 96)
+    # On a CPU an update keeps its gradients to the next one: both roles' are held through every phase.
+    kept = estimate(
+        s,
+        compute_bytes=4,
+        micro_tokens=10,
+        rollout_tokens=6,
+        chunked=False,
+        critic=part,
+        frees_gradients=False,
+    )
+    assert kept.state == 2832 + 2352 + 944 + 784
+    assert kept.peak == kept.state + max(3680, 2920, 96)
     assert "critic 0.00 (+ activations 0.00 in its update)" in e.line("x")
     # A state over the card names the critic's offload keys too; a critic update over it, its own.
     refusal = r"critic 0\.0\) but .*param_offload=true \(critic\.model\.fsdp_config's too\)"
@@ -138,6 +150,7 @@ def test_a_colocated_critic_by_hand_and_from_a_ppo_config():
     seq = cfg.data.max_prompt_length + cfg.data.max_response_length
     per_token = critic_part(QWEN_05B, compute_bytes=2, micro_tokens=1)["critic_activations"]
     assert e.critic_activations == 2 * seq * per_token
+    assert e.frees_gradients and not run_estimate(load_config(None, ppo), config, "cpu").frees_gradients
     grpo = run_estimate(load_config(None, [], device="cuda", notify=lambda _: None), config, "cuda")
     assert grpo.critic == grpo.critic_gradients == grpo.critic_activations == 0
     apart = [*ppo, "trainer.placement=ray", "trainer.n_gpus_per_node=2", "trainer.colocate=false"]

@@ -3,11 +3,16 @@ zero-advantage rows (no processes needed; the Ray tests run the plans)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tensordict import TensorDict
 
+from tearless import devices
+from tearless.workers import schedule
 from tearless.workers.group import contiguous_split
+from tearless.workers.optim import make_optimizer
 from tearless.workers.schedule import (
+    UpdateFlags,
     UpdateSettings,
     balanced_partition,
     count_micro_batches,
@@ -15,6 +20,8 @@ from tearless.workers.schedule import (
     mini_batch_norm,
     plan_updates,
     rank_steps,
+    rank_work,
+    run_plan,
     skipped_rows_metrics,
 )
 
@@ -133,3 +140,39 @@ def test_skipped_rows_add_their_share_and_token_mean_entropy_to_the_metrics():
 def test_prompts_split_into_consecutive_near_equal_shares():
     assert [list(r) for r in contiguous_split(5, 2)] == [[0, 1, 2], [3, 4]]
     assert [list(r) for r in contiguous_split(2, 3)] == [[0], [1], []]
+
+
+@pytest.mark.parametrize("device_frees", [False, True])
+def test_an_update_frees_its_gradients_where_the_device_says_so(monkeypatch, device_frees):
+    # On a GPU (free_gradients) the last step's gradients are freed once the update is done: the
+    # rollout and the other role's update need the memory. On a CPU they stay to the next update's
+    # first mini-batch (re-faulting fresh pages cost 2-3% of the embedded run's update).
+    from types import SimpleNamespace
+
+    from tearless.config import load_config
+
+    assert (
+        not devices.device_defaults("cpu").free_gradients and devices.device_defaults("cuda").free_gradients
+    )
+    if device_frees:
+        monkeypatch.setattr(schedule, "device_defaults", lambda _: devices.device_defaults("cuda"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    params = list(model.parameters())
+    optimizer, scheduler = make_optimizer(
+        params, load_config(None).actor_rollout_ref.actor.optim, total_steps=2
+    )
+    td = batch([2, 2, 2, 2])
+    td["x"] = torch.randn(4, 3)
+    s = UpdateSettings(
+        rows_per_mini=2, epochs=1, shuffle=False, micro_size=None, token_budget=None, grad_clip=1.0,
+        prefix="actor",
+    )  # fmt: skip
+    role = SimpleNamespace(
+        model=model, params=params, optimizer=optimizer, scheduler=scheduler, skipped_steps=0, settings=s,
+        micro_loss=lambda mb, norm, flags: (model(mb["x"]).sum(), {}),
+    )  # fmt: skip
+    ((rows, steps),) = rank_work(td, plan_updates(td, s, 1), 1)
+    run_plan(role, rows, steps, UpdateFlags())
+    assert role.optimizer.state[model.weight]["step"] == 2  # both mini-batches stepped
+    assert all((p.grad is None) == device_frees for p in params)
