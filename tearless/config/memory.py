@@ -145,21 +145,21 @@ def check_memory(est: MemoryEstimate, total_bytes: int, device: str) -> str | No
         )
     if est.peak <= total_bytes:
         return None
-    held = est.parameters + est.optimizer + est.reference + est.teacher + est.critic
+    phases = est.phases
     over = []
-    if held + est.gradients + est.activations > total_bytes:
+    if phases["update"] > total_bytes:
         over.append(
             f"activations up to {g(est.activations)} GiB ({est.micro_tokens} tokens a micro-batch): lower "
             f"{ARR}.actor.ppo_max_token_len_per_gpu (use_dynamic_bsz) or ppo_micro_batch_size_per_gpu, "
             f"or set {ARR}.model.enable_gradient_checkpointing=true"
         )
-    if held + est.critic_gradients + est.critic_activations > total_bytes:
+    if phases["critic_update"] > total_bytes:
         over.append(
             f"the critic's activations up to {g(est.critic_activations)} GiB: lower "
             "critic.ppo_max_token_len_per_gpu (use_dynamic_bsz) or ppo_micro_batch_size_per_gpu, or set "
             "critic.model.enable_gradient_checkpointing=true"
         )
-    if held + est.kv_cache > total_bytes:
+    if phases["rollout"] > total_bytes:
         over.append(
             f"KV cache up to {g(est.kv_cache)} GiB ({est.rollout_tokens} tokens): lower "
             f"data.train_batch_size or {ARR}.rollout.n"

@@ -143,11 +143,21 @@ class MemoryEstimate:
         return self._held + freed
 
     @property
-    def peak(self) -> int:
-        """:attr:`_held` plus the largest phase: the actor's update, the critic's, the rollout's KV
-        cache (each update with its own gradients where they are freed between updates)."""
+    def phases(self) -> dict[str, int]:
+        """What the rank holds in each phase: :attr:`_held` plus the actor's update (``update``), the
+        critic's (``critic_update``) or the rollout's KV cache (``rollout``), each update with its own
+        gradients where they are freed between updates."""
         g, cg = (self.gradients, self.critic_gradients) if self.frees_gradients else (0, 0)
-        return self._held + max(g + self.activations, cg + self.critic_activations, self.kv_cache)
+        return {
+            "update": self._held + g + self.activations,
+            "critic_update": self._held + cg + self.critic_activations,
+            "rollout": self._held + self.kv_cache,
+        }
+
+    @property
+    def peak(self) -> int:
+        """The largest of the :attr:`phases`."""
+        return max(self.phases.values())
 
     def line(self, where: str) -> str:
         """One line: each part in GiB and the peak."""
